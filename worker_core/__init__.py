@@ -1,0 +1,37 @@
+"""worker_core: one uniform job contract on PostgreSQL. No UI code lives here."""
+
+from worker_core.clock import FixedClock, SystemClock
+from worker_core.context import JobContext
+from worker_core.errors import (
+    EnvelopeError,
+    JobTimeout,
+    NotFound,
+    PermanentError,
+    ReadOnlyError,
+    TransientError,
+)
+from worker_core.models import EnqueueResult, Job, JobState
+from worker_core.producer import enqueue, enqueue_many
+from worker_core.registry import Task, registry, task
+from worker_core.retry import RetryPolicy
+
+__all__ = [
+    "EnqueueResult",
+    "EnvelopeError",
+    "FixedClock",
+    "Job",
+    "JobContext",
+    "JobState",
+    "JobTimeout",
+    "NotFound",
+    "PermanentError",
+    "ReadOnlyError",
+    "RetryPolicy",
+    "SystemClock",
+    "Task",
+    "TransientError",
+    "enqueue",
+    "enqueue_many",
+    "registry",
+    "task",
+]

@@ -1,0 +1,126 @@
+"""Connections: DSN resolution, psycopg 3 connections with dict rows and a named application.
+
+DSN resolution everywhere (CLI, console, workers, tests): an explicit ``--dsn``, then ``QCONSOLE_DSN``,
+then ``DATABASE_URL``, else the embedded PostgreSQL server (worker_core.embedded).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import dict_row
+
+DSN_ENV_VARS = ("QCONSOLE_DSN", "DATABASE_URL")
+Conn = psycopg.Connection[dict[str, Any]]
+AsyncConn = psycopg.AsyncConnection[dict[str, Any]]
+
+
+def configured_dsn(dsn: str | None = None) -> str | None:
+    """The DSN the user configured, or None when the embedded server should be used."""
+    if dsn:
+        return dsn
+    for var in DSN_ENV_VARS:
+        value = os.environ.get(var)
+        if value:
+            return value
+    return None
+
+
+def resolve_dsn(dsn: str | None = None) -> str:
+    """A DSN to connect to: the configured one, or the embedded server's (started or attached to)."""
+    configured = configured_dsn(dsn)
+    if configured:
+        return configured
+    from worker_core.embedded import start_embedded
+
+    return start_embedded()
+
+
+_PASSWORD_IN_URL = re.compile(r"(://[^:/@]*:)[^@]*(@)")
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN without its password, safe for logs, errors and the console."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return _PASSWORD_IN_URL.sub(r"\1***\2", dsn)
+    if "password" in params:
+        params["password"] = "***"
+    if "://" in dsn:
+        return _PASSWORD_IN_URL.sub(r"\1***\2", dsn)
+    return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
+
+
+def redact(text: str, dsn: str | None) -> str:
+    """Remove a DSN's password from an error message."""
+    if not dsn:
+        return text
+    try:
+        password = conninfo_to_dict(dsn).get("password")
+    except psycopg.ProgrammingError:
+        password = None
+    if password:
+        text = text.replace(str(password), "***")
+    return text
+
+
+def _options(statement_timeout_ms: int | None, read_only: bool) -> str | None:
+    opts = []
+    if statement_timeout_ms:
+        opts.append(f"-c statement_timeout={int(statement_timeout_ms)}")
+    if read_only:
+        opts.append("-c default_transaction_read_only=on")
+    return " ".join(opts) or None
+
+
+def connect(
+    dsn: str,
+    *,
+    application_name: str = "worker_core",
+    autocommit: bool = False,
+    statement_timeout_ms: int | None = None,
+    read_only: bool = False,
+    connect_timeout: int = 5,
+) -> Conn:
+    """A connection with dict rows. ``read_only`` makes every transaction read-only on the server side."""
+    kwargs: dict[str, Any] = {
+        "application_name": application_name,
+        "connect_timeout": connect_timeout,
+    }
+    options = _options(statement_timeout_ms, read_only)
+    if options:
+        kwargs["options"] = options
+    return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
+
+
+async def aconnect(
+    dsn: str,
+    *,
+    application_name: str = "worker_core",
+    autocommit: bool = False,
+    connect_timeout: int = 5,
+) -> AsyncConn:
+    return await psycopg.AsyncConnection.connect(
+        dsn,
+        autocommit=autocommit,
+        row_factory=dict_row,
+        application_name=application_name,
+        connect_timeout=connect_timeout,
+    )
+
+
+@contextmanager
+def connection(dsn: str | None = None, **kwargs: Any) -> Iterator[Conn]:
+    """``with connection() as conn:`` on the resolved DSN; closes on exit."""
+    conn = connect(resolve_dsn(dsn), **kwargs)
+    try:
+        yield conn
+    finally:
+        conn.close()

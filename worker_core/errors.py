@@ -1,0 +1,67 @@
+"""Error classes of the contract.
+
+A handler raises ``TransientError`` for "try again later" (retried with backoff within the budget) and
+``PermanentError`` for "this will never work" (``failed`` at once). Anything else is *unknown*: retried
+within the budget like a transient error, and counted as an anomaly.
+"""
+
+from __future__ import annotations
+
+
+class WorkerCoreError(Exception):
+    """Base of the errors worker_core raises itself."""
+
+
+class EnvelopeError(WorkerCoreError, ValueError):
+    """A producer gave an envelope that breaks the contract. Nothing was written."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid job envelope: " + "; ".join(problems))
+
+
+class TransientError(Exception):
+    """Raise from a handler: the attempt failed for a reason that may go away (network, contention)."""
+
+    def __init__(self, message: str = "", *, retry_in: float | None = None) -> None:
+        super().__init__(message)
+        #: overrides the policy's delay for this retry, in seconds
+        self.retry_in = retry_in
+
+
+class PermanentError(Exception):
+    """Raise from a handler: retrying cannot help (bad input, missing entity). The job fails at once."""
+
+
+class JobTimeout(TransientError):
+    """The handler ran past the job's timeout_seconds."""
+
+
+class LeaseLost(WorkerCoreError):
+    """The job's lease was taken over by another worker: this worker must not settle it."""
+
+
+class UnknownJobType(PermanentError):
+    """No handler is registered for the job's type in this worker."""
+
+
+class NotFound(WorkerCoreError, LookupError):
+    """No job with that id."""
+
+
+class ReadOnlyError(WorkerCoreError):
+    """An operator action was attempted in read-only mode."""
+
+
+ERROR_KINDS = ("transient", "permanent", "unknown", "timeout", "lease_expired", "cancelled", "crash")
+
+
+def classify(exc: BaseException) -> str:
+    """The contract's error class of an exception raised by a handler."""
+    if isinstance(exc, JobTimeout):
+        return "timeout"
+    if isinstance(exc, TransientError):
+        return "transient"
+    if isinstance(exc, PermanentError):
+        return "permanent"
+    return "unknown"

@@ -1,0 +1,76 @@
+"""The minimum metrics per (queue, job type), counted in memory by each worker and flushed into the
+per-minute table ``job_metrics_minute`` on every heartbeat: one upsert per minute, queue and type, so
+the hot path never touches a shared counter row."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+from collections import defaultdict
+from typing import Any
+
+from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.db import Conn
+from worker_core.sql import queries
+
+COUNTERS = (
+    "started",
+    "succeeded",
+    "failed",
+    "dead_lettered",
+    "retried",
+    "timeouts",
+    "anomalies",
+    "lock_contention",
+    "dedup_hits",
+    "idempotency_hits",
+    "lease_expirations",
+    "cancelled",
+)
+SUMS = ("latency_ms_sum", "duration_ms_sum")
+
+Key = tuple[dt.datetime, str, str]
+
+
+class MetricsBuffer:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._rows: dict[Key, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COUNTERS + SUMS, 0))
+        #: process-lifetime totals, for the worker's own Prometheus endpoint
+        self.totals: dict[tuple[str, str, str], float] = defaultdict(float)
+        self.observers: list[Any] = []
+
+    def add(self, queue: str, job_type: str, name: str, value: float = 1) -> None:
+        minute = self.clock.now().replace(second=0, microsecond=0)
+        with self._lock:
+            self._rows[(minute, queue, job_type)][name] += value
+            self.totals[(queue, job_type, name)] += value
+        for obs in self.observers:
+            obs(queue, job_type, name, value)
+
+    def take(self) -> dict[Key, dict[str, float]]:
+        with self._lock:
+            rows, self._rows = self._rows, defaultdict(lambda: dict.fromkeys(COUNTERS + SUMS, 0))
+        return dict(rows)
+
+    def put_back(self, rows: dict[Key, dict[str, float]]) -> None:
+        with self._lock:
+            for key, values in rows.items():
+                for name, v in values.items():
+                    self._rows[key][name] += v
+
+    def flush(self, conn: Conn) -> int:
+        """Write what was counted since the last flush. On failure the counts are kept for the next one."""
+        rows = self.take()
+        if not rows:
+            return 0
+        payload = [{"minute": k[0].isoformat(), "queue": k[1], "job_type": k[2], **v} for k, v in sorted(rows.items())]
+        try:
+            with conn.transaction():
+                conn.execute(queries["metrics_flush"], {"rows": json.dumps(payload)})
+        except Exception:
+            self.put_back(rows)
+            raise
+        return len(rows)

@@ -1,0 +1,96 @@
+"""Forward-only migrations: ``NNNN_name.sql`` applied in order, each in its own transaction, recorded in
+``worker_core_migrations``, all under one advisory lock so two processes never migrate at once."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from importlib import resources
+from importlib.abc import Traversable
+from pathlib import Path
+
+from psycopg import sql
+
+from worker_core.db import Conn
+
+MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+#: pg_advisory_xact_lock key: "qconsole" in ASCII, as a bigint
+LOCK_KEY = 0x71636F6E736F6C
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+
+def migrations_dir() -> Traversable:
+    """Inside the wheel the files live at worker_core/migrations; in a checkout, at the top-level migrations/."""
+    packaged = resources.files("worker_core").joinpath("migrations")
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "migrations"
+
+
+def load_migrations(folder: Traversable | None = None) -> list[Migration]:
+    folder = folder or migrations_dir()
+    found = []
+    for entry in folder.iterdir():
+        m = MIGRATION_RE.match(entry.name)
+        if m:
+            found.append(Migration(int(m.group(1)), m.group(2), entry.read_text(encoding="utf-8")))
+    found.sort(key=lambda mig: mig.version)
+    versions = [mig.version for mig in found]
+    if len(set(versions)) != len(versions):
+        raise RuntimeError(f"two migrations share a version number: {versions}")
+    return found
+
+
+def applied_versions(conn: Conn) -> dict[int, str]:
+    row = conn.execute("SELECT to_regclass('worker_core_migrations') AS t").fetchone()
+    if not row or row["t"] is None:
+        return {}
+    return {r["version"]: r["checksum"] for r in conn.execute("SELECT version, checksum FROM worker_core_migrations")}
+
+
+def migrate(conn: Conn, folder: Traversable | None = None) -> list[Migration]:
+    """Apply what is missing; return what was applied. A second run applies nothing."""
+    pending = load_migrations(folder)
+    applied: list[Migration] = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+        conn.execute(
+            """CREATE TABLE IF NOT EXISTS worker_core_migrations (
+                   version integer PRIMARY KEY,
+                   name text NOT NULL,
+                   checksum text NOT NULL,
+                   applied_at timestamptz NOT NULL DEFAULT now())"""
+        )
+        done = applied_versions(conn)
+        for mig in pending:
+            if mig.version in done:
+                if done[mig.version] != mig.checksum:
+                    raise RuntimeError(
+                        f"migration {mig.version:04d}_{mig.name} changed after it was applied; "
+                        "migrations are forward-only: add a new one instead"
+                    )
+                continue
+            with conn.transaction():
+                conn.execute(sql.SQL(mig.sql))  # trusted file shipped with the package
+                conn.execute(
+                    "INSERT INTO worker_core_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                    (mig.version, mig.name, mig.checksum),
+                )
+            applied.append(mig)
+    return applied
+
+
+def pending_migrations(conn: Conn) -> list[Migration]:
+    done = applied_versions(conn)
+    return [m for m in load_migrations() if m.version not in done]

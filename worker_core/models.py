@@ -1,0 +1,272 @@
+"""The contract's data: states, jobs and what the read side returns. Frozen dataclasses, no SQL."""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class JobState(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    RETRY_SCHEDULED = "retry_scheduled"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    DEAD_LETTERED = "dead_lettered"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+LIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.RETRY_SCHEDULED)
+WAITING_STATES = (JobState.QUEUED, JobState.RETRY_SCHEDULED)
+FINAL_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.DEAD_LETTERED, JobState.CANCELLED)
+#: states an operator may requeue from
+REQUEUEABLE_STATES = (JobState.DEAD_LETTERED, JobState.FAILED, JobState.CANCELLED)
+#: states an operator may kill (-> cancelled)
+KILLABLE_STATES = (JobState.QUEUED, JobState.RETRY_SCHEDULED, JobState.RUNNING)
+
+#: the only legal transitions (DESIGN.md); tests walk this table
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.CANCELLED}),
+    JobState.RETRY_SCHEDULED: frozenset({JobState.RUNNING, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset(
+        {
+            JobState.SUCCEEDED,
+            JobState.RETRY_SCHEDULED,
+            JobState.FAILED,
+            JobState.DEAD_LETTERED,
+            JobState.CANCELLED,
+            JobState.RUNNING,  # lease expired, claimed again
+            JobState.QUEUED,  # released on shutdown or lock contention, attempt given back
+        }
+    ),
+    JobState.DEAD_LETTERED: frozenset({JobState.QUEUED}),
+    JobState.FAILED: frozenset({JobState.QUEUED}),
+    JobState.CANCELLED: frozenset({JobState.QUEUED}),
+    JobState.SUCCEEDED: frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class AttemptError:
+    attempt: int
+    kind: str  # transient | permanent | unknown | timeout | lease_expired | cancelled | crash
+    error_class: str
+    message: str
+    worker: str | None
+    at: dt.datetime
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> AttemptError:
+        at = d.get("at")
+        return cls(
+            attempt=int(d.get("attempt", 0)),
+            kind=str(d.get("kind", "unknown")),
+            error_class=str(d.get("class", "")),
+            message=str(d.get("message", "")),
+            worker=d.get("worker"),
+            at=dt.datetime.fromisoformat(at) if isinstance(at, str) else at,  # type: ignore[arg-type]
+        )
+
+
+@dataclass(frozen=True)
+class Job:
+    id: uuid.UUID
+    job_type: str
+    queue: str
+    payload: dict[str, Any]
+    state: JobState
+    priority: int
+    attempts: int
+    max_attempts: int
+    scheduled_at: dt.datetime
+    locked_until: dt.datetime | None
+    locked_by: str | None
+    idempotency_key: str | None
+    dedup_key: str | None
+    lock_key: str | None
+    timeout_seconds: float
+    visibility_timeout_seconds: float
+    retry_policy: dict[str, Any]
+    tenant_id: str | None
+    trace_id: str | None
+    last_error: str | None
+    errors: list[AttemptError]
+    lease_expirations: int
+    cancel_requested: bool
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    updated_at: dt.datetime
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Job:
+        names = cls.__dataclass_fields__
+        data = {k: v for k, v in row.items() if k in names}
+        data["state"] = JobState(row["state"])
+        data["errors"] = [AttemptError.from_json(e) for e in row.get("errors") or []]
+        return cls(**data)
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            out[name] = _jsonable(getattr(self, name))
+        return out
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (dt.datetime, dt.date)):
+        return v.isoformat()
+    if isinstance(v, uuid.UUID):
+        return str(v)
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if hasattr(v, "__dataclass_fields__"):
+        return {k: _jsonable(getattr(v, k)) for k in v.__dataclass_fields__}
+    return v
+
+
+def to_jsonable(v: Any) -> Any:
+    """Dataclasses, datetimes, uuids and enums to plain JSON values (for --json output)."""
+    return _jsonable(v)
+
+
+@dataclass(frozen=True)
+class EnqueueResult:
+    id: uuid.UUID
+    #: False when a live job already held the dedup key: ``id`` is then that job's id
+    created: bool
+
+    @property
+    def duplicate_of(self) -> uuid.UUID | None:
+        return None if self.created else self.id
+
+
+@dataclass(frozen=True)
+class TypeStats:
+    """One row of the overview: a (queue, job_type) pair."""
+
+    queue: str
+    job_type: str
+    queued: int = 0
+    running: int = 0
+    retry_scheduled: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    dead_lettered: int = 0
+    cancelled: int = 0
+    #: age in seconds of the oldest job that is ready and waiting (queue lag)
+    oldest_waiting_seconds: float = 0.0
+    paused: bool = False
+    # rates over the recent window, per minute
+    throughput_per_min: float = 0.0
+    dlq_per_min: float = 0.0
+    lease_expirations_per_min: float = 0.0
+    retries_per_min: float = 0.0
+    #: attempts over the window: retries, timeouts, anomalies (unknown errors)
+    retries: int = 0
+    timeouts: int = 0
+    anomalies: int = 0
+    lease_expirations: int = 0
+    lock_contention: int = 0
+    dedup_hits: int = 0
+    idempotency_hits: int = 0
+
+    @property
+    def waiting(self) -> int:
+        return self.queued + self.retry_scheduled
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    name: str
+    paused: bool
+    waiting: int
+    running: int
+    changed_by: str | None = None
+    changed_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: str
+    host: str
+    pid: int
+    queues: list[str] | None
+    tasks: list[str]
+    concurrency: int
+    in_flight: int
+    started_at: dt.datetime
+    last_heartbeat_at: dt.datetime
+    stopped_at: dt.datetime | None
+    #: the heartbeat stopped for longer than the lost threshold, and the worker did not say goodbye
+    lost: bool = False
+
+
+@dataclass(frozen=True)
+class SeriesPoint:
+    minute: dt.datetime
+    value: float
+
+
+@dataclass(frozen=True)
+class Overview:
+    """Everything the console's overview and ``qconsole stats`` show, read in one go."""
+
+    at: dt.datetime
+    types: list[TypeStats]
+    queues: list[QueueInfo]
+    workers_alive: int
+    window_minutes: int
+    #: per (queue, job_type): per-minute series over the last hour
+    throughput: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    lag: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeadLetterGroup:
+    job_type: str
+    fingerprint: str
+    sample_error: str
+    count: int
+    first_seen: dt.datetime
+    last_seen: dt.datetime
+    job_ids: list[uuid.UUID]
+    state: str = "dead_lettered"
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    id: int
+    at: dt.datetime
+    os_user: str
+    ssh_client: str | None
+    action: str
+    queue: str | None
+    job_ids: list[uuid.UUID]
+    reason: str | None
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    """What an operator action changed."""
+
+    action: str
+    requested: int
+    changed: list[uuid.UUID]
+    skipped: list[uuid.UUID]
+    audit_id: int | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.changed)

@@ -1,0 +1,184 @@
+"""Operator actions: requeue, kill, pause and resume. Each one checks the connection may write, changes
+only rows in a legal source state, and writes its audit row in the same transaction."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.db import Conn
+from worker_core.envelope import QUEUE_RE
+from worker_core.errors import ReadOnlyError
+from worker_core.models import ActionResult
+from worker_core.sql import queries
+
+DEFAULT_REQUEUE_BUDGET = 1
+
+
+@dataclass(frozen=True)
+class Actor:
+    """Who did it: the OS user and, over SSH, the client's address."""
+
+    os_user: str
+    ssh_client: str | None = None
+
+    @classmethod
+    def current(cls) -> Actor:
+        try:
+            user = getpass.getuser()
+        except Exception:
+            user = str(os.getuid()) if hasattr(os, "getuid") else "unknown"
+        ssh = os.environ.get("SSH_CLIENT") or os.environ.get("SSH_CONNECTION")
+        return cls(os_user=user, ssh_client=ssh.split()[0] if ssh else None)
+
+    def __str__(self) -> str:
+        return f"{self.os_user}@{self.ssh_client}" if self.ssh_client else self.os_user
+
+
+def ensure_writable(conn: Conn) -> None:
+    row = conn.execute(queries["is_read_only"]).fetchone()
+    if row and row["ro"]:
+        raise ReadOnlyError("read-only mode: operator actions are refused (restart without --read-only)")
+
+
+def _ids(job_ids: Iterable[uuid.UUID | str]) -> list[uuid.UUID]:
+    out = []
+    for j in job_ids:
+        try:
+            out.append(j if isinstance(j, uuid.UUID) else uuid.UUID(str(j)))
+        except ValueError:
+            raise ValueError(f"{j!r} is not a job id") from None
+    return list(dict.fromkeys(out))
+
+
+def _audit(
+    conn: Conn,
+    now: Any,
+    actor: Actor,
+    action: str,
+    *,
+    job_ids: list[uuid.UUID] | None = None,
+    queue: str | None = None,
+    reason: str | None = None,
+    detail: Mapping[str, Any] | None = None,
+) -> int:
+    row = conn.execute(
+        queries["audit_insert"],
+        {
+            "now": now,
+            "os_user": actor.os_user,
+            "ssh_client": actor.ssh_client,
+            "action": action,
+            "queue": queue,
+            "job_ids": job_ids or [],
+            "reason": reason,
+            "detail": json.dumps(dict(detail or {}), default=str),
+        },
+    ).fetchone()
+    assert row is not None
+    return int(row["id"])
+
+
+def requeue(
+    conn: Conn,
+    job_ids: Iterable[uuid.UUID | str],
+    *,
+    actor: Actor | None = None,
+    reason: str | None = None,
+    budget: int = DEFAULT_REQUEUE_BUDGET,
+    payload: Mapping[str, Any] | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> ActionResult:
+    """dead_lettered | failed | cancelled -> queued, with ``budget`` fresh attempts and the history kept.
+    ``payload`` replaces the payload (a fix), recorded in the audit entry."""
+    ids = _ids(job_ids)
+    if budget < 1:
+        raise ValueError("budget must be >= 1")
+    actor = actor or Actor.current()
+    now = clock.now()
+    with conn.transaction():
+        ensure_writable(conn)
+        rows = conn.execute(
+            queries["requeue_jobs"],
+            {
+                "ids": ids,
+                "now": now,
+                "budget": budget,
+                "payload": json.dumps(dict(payload)) if payload is not None else None,
+            },
+        ).fetchall()
+        changed = [r["id"] for r in rows]
+        detail: dict[str, Any] = {"budget": budget, "requested": len(ids)}
+        if payload is not None:
+            detail["payload"] = dict(payload)
+        audit_id = _audit(conn, now, actor, "requeue", job_ids=changed, reason=reason, detail=detail)
+        for q in sorted({r["queue"] for r in rows}):
+            conn.execute(queries["notify_queue"], {"queue": q})
+    return ActionResult("requeue", len(ids), changed, [i for i in ids if i not in set(changed)], audit_id)
+
+
+def kill(
+    conn: Conn,
+    job_ids: Iterable[uuid.UUID | str],
+    *,
+    actor: Actor | None = None,
+    reason: str | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> ActionResult:
+    """Waiting jobs -> cancelled now; running jobs are flagged and cancelled by their worker within one
+    heartbeat (or by the next claim, if their worker is gone). Never retried."""
+    ids = _ids(job_ids)
+    actor = actor or Actor.current()
+    now = clock.now()
+    message = f"killed by {actor}" + (f": {reason}" if reason else "")
+    with conn.transaction():
+        ensure_writable(conn)
+        waiting = [r["id"] for r in conn.execute(queries["kill_waiting"], {"ids": ids, "now": now, "message": message})]
+        running = [r["id"] for r in conn.execute(queries["kill_running"], {"ids": ids, "now": now})]
+        changed = waiting + running
+        audit_id = _audit(
+            conn, now, actor, "kill", job_ids=changed, reason=reason,
+            detail={"cancelled": len(waiting), "signalled_running": len(running), "requested": len(ids)},
+        )  # fmt: skip
+    return ActionResult("kill", len(ids), changed, [i for i in ids if i not in set(changed)], audit_id)
+
+
+def group_job_ids(conn: Conn, job_type: str, fingerprint: str, state: str = "dead_lettered") -> list[uuid.UUID]:
+    rows = conn.execute(queries["group_ids"], {"job_type": job_type, "fingerprint": fingerprint, "state": state})
+    return [r["id"] for r in rows]
+
+
+def set_paused(
+    conn: Conn,
+    queue: str,
+    paused: bool,
+    *,
+    actor: Actor | None = None,
+    reason: str | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> ActionResult:
+    if not QUEUE_RE.match(queue):
+        raise ValueError(f"{queue!r} is not a queue name")
+    actor = actor or Actor.current()
+    now = clock.now()
+    with conn.transaction():
+        ensure_writable(conn)
+        conn.execute(queries["queue_set_paused"], {"name": queue, "paused": paused, "now": now, "actor": str(actor)})
+        audit_id = _audit(conn, now, actor, "pause" if paused else "resume", queue=queue, reason=reason)
+        if not paused:
+            conn.execute(queries["notify_queue"], {"queue": queue})
+    return ActionResult("pause" if paused else "resume", 1, [], [], audit_id)
+
+
+def pause(conn: Conn, queue: str, **kwargs: Any) -> ActionResult:
+    return set_paused(conn, queue, True, **kwargs)
+
+
+def resume(conn: Conn, queue: str, **kwargs: Any) -> ActionResult:
+    return set_paused(conn, queue, False, **kwargs)

@@ -1,0 +1,73 @@
+"""Retry policy: backoff fixed, linear or exponential, with a max delay and jitter.
+
+The delay of attempt n (1-based, the attempt that just failed):
+  fixed:        base
+  linear:       base * n
+  exponential:  base * 2 ** (n - 1)
+capped at max_delay, then jittered by +-jitter (a fraction), and never above max_delay.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+BACKOFFS = ("fixed", "linear", "exponential")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    backoff: str = "exponential"
+    base_seconds: float = 2.0
+    max_delay_seconds: float = 600.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid retry policy: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.backoff not in BACKOFFS:
+            out.append(f"backoff must be one of {', '.join(BACKOFFS)}, not {self.backoff!r}")
+        if not self.base_seconds >= 0:
+            out.append("base_seconds must be >= 0")
+        if not self.max_delay_seconds >= 0:
+            out.append("max_delay_seconds must be >= 0")
+        if not 0 <= self.jitter <= 1:
+            out.append("jitter must be between 0 and 1")
+        return out
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait before the next attempt, after ``attempt`` failed."""
+        n = max(1, attempt)
+        if self.backoff == "fixed":
+            raw = self.base_seconds
+        elif self.backoff == "linear":
+            raw = self.base_seconds * n
+        else:
+            raw = self.base_seconds * 2.0 ** min(n - 1, 62)
+        capped = min(raw, self.max_delay_seconds)
+        if self.jitter:
+            r = (rng or random).uniform(-self.jitter, self.jitter)
+            capped = capped * (1 + r)
+        return max(0.0, min(capped, self.max_delay_seconds))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> RetryPolicy:
+        if not data:
+            return cls()
+        known = {k: data[k] for k in ("backoff", "base_seconds", "max_delay_seconds", "jitter") if k in data}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"unknown retry policy fields: {', '.join(unknown)}")
+        return cls(**known)
+
+
+DEFAULT_RETRY_POLICY = RetryPolicy()

@@ -1,0 +1,382 @@
+-- Every query worker_core runs, one named block each: "-- name: <name>" starts a block.
+-- Parameters are psycopg named placeholders; "now" is always a parameter (worker_core.clock).
+-- Identifiers are never interpolated: the only dynamic SQL is built with psycopg.sql in stats.py.
+
+------------------------------------------------------------------------------------------------------
+-- Producing
+------------------------------------------------------------------------------------------------------
+
+-- name: insert_job
+INSERT INTO job_queue (
+    job_type, queue, payload, priority, max_attempts, scheduled_at, idempotency_key, dedup_key, lock_key,
+    timeout_seconds, visibility_timeout_seconds, retry_policy, tenant_id, trace_id, created_at, updated_at)
+VALUES (
+    %(job_type)s, %(queue)s, %(payload)s::jsonb, %(priority)s, %(max_attempts)s, %(scheduled_at)s,
+    %(idempotency_key)s, %(dedup_key)s, %(lock_key)s, %(timeout_seconds)s, %(visibility_timeout_seconds)s,
+    %(retry_policy)s::jsonb, %(tenant_id)s, %(trace_id)s, %(now)s, %(now)s)
+ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND state IN ('queued', 'running', 'retry_scheduled')
+DO NOTHING
+RETURNING id;
+
+-- name: insert_jobs_many
+INSERT INTO job_queue (
+    job_type, queue, payload, priority, max_attempts, scheduled_at, idempotency_key, dedup_key, lock_key,
+    timeout_seconds, visibility_timeout_seconds, retry_policy, tenant_id, trace_id, created_at, updated_at)
+SELECT t.job_type, t.queue, t.payload, t.priority, t.max_attempts, t.scheduled_at, t.idempotency_key,
+       t.dedup_key, t.lock_key, t.timeout_seconds, t.visibility_timeout_seconds, t.retry_policy,
+       t.tenant_id, t.trace_id, %(now)s, %(now)s
+FROM unnest(
+    %(job_type)s::text[], %(queue)s::text[], %(payload)s::jsonb[], %(priority)s::int[], %(max_attempts)s::int[],
+    %(scheduled_at)s::timestamptz[], %(idempotency_key)s::text[], %(dedup_key)s::text[], %(lock_key)s::text[],
+    %(timeout_seconds)s::float8[], %(visibility_timeout_seconds)s::float8[], %(retry_policy)s::jsonb[],
+    %(tenant_id)s::text[], %(trace_id)s::text[]
+) AS t(job_type, queue, payload, priority, max_attempts, scheduled_at, idempotency_key, dedup_key, lock_key,
+       timeout_seconds, visibility_timeout_seconds, retry_policy, tenant_id, trace_id)
+ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND state IN ('queued', 'running', 'retry_scheduled')
+DO NOTHING
+RETURNING id, dedup_key;
+
+-- name: live_by_dedup_keys
+SELECT id, dedup_key FROM job_queue
+WHERE dedup_key = ANY(%(keys)s) AND state IN ('queued', 'running', 'retry_scheduled');
+
+------------------------------------------------------------------------------------------------------
+-- The claim. Two lanes, each FOR UPDATE SKIP LOCKED: running jobs whose lease expired (a worker died or
+-- froze), then ready jobs in (priority, scheduled_at, id) order. MATERIALIZED so the planner cannot
+-- re-run the LIMIT subquery and lock more rows than asked (see Oban's fetch_jobs). An expired job with
+-- no attempts left goes to dead_lettered here, without running its payload again (poison pill); an
+-- expired job an operator asked to kill goes to cancelled.
+------------------------------------------------------------------------------------------------------
+
+-- name: claim
+WITH expired AS MATERIALIZED (
+    SELECT id FROM job_queue
+    WHERE state = 'running' AND locked_until < %(now)s
+      AND (%(all_queues)s OR queue = ANY(%(queues)s))
+      AND job_type = ANY(%(job_types)s)
+      AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
+    ORDER BY locked_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), ready AS MATERIALIZED (
+    SELECT id FROM job_queue
+    WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s
+      AND (%(all_queues)s OR queue = ANY(%(queues)s))
+      AND job_type = ANY(%(job_types)s)
+      AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
+    ORDER BY priority, scheduled_at, id
+    LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM expired))
+    FOR UPDATE SKIP LOCKED
+), candidates AS (
+    SELECT id, true AS expired FROM expired
+    UNION ALL
+    SELECT id, false AS expired FROM ready
+), decided AS (
+    SELECT j.id, c.expired,
+           CASE WHEN c.expired AND j.cancel_requested THEN 'cancelled'
+                WHEN c.expired AND j.attempts >= j.max_attempts THEN 'dead_lettered'
+                ELSE 'running' END AS next_state
+    FROM candidates c JOIN job_queue j ON j.id = c.id
+)
+UPDATE job_queue j SET
+    state = d.next_state,
+    attempts = j.attempts + (d.next_state = 'running')::int,
+    locked_by = CASE WHEN d.next_state = 'running' THEN %(worker)s ELSE j.locked_by END,
+    locked_until = CASE WHEN d.next_state = 'running'
+                        THEN %(now)s + make_interval(secs => j.visibility_timeout_seconds) END,
+    started_at = CASE WHEN d.next_state = 'running' THEN %(now)s ELSE j.started_at END,
+    finished_at = CASE WHEN d.next_state = 'running' THEN NULL ELSE %(now)s END,
+    lease_expirations = j.lease_expirations + d.expired::int,
+    errors = CASE WHEN d.expired THEN j.errors || jsonb_build_array(jsonb_build_object(
+                 'attempt', j.attempts, 'kind', 'lease_expired', 'class', 'LeaseExpired',
+                 'message', 'lease expired: worker ' || coalesce(j.locked_by, '?') || ' died or froze',
+                 'worker', j.locked_by, 'at', %(now)s))
+             ELSE j.errors END,
+    last_error = CASE WHEN d.expired
+                      THEN 'LeaseExpired: lease expired: worker ' || coalesce(j.locked_by, '?') || ' died or froze'
+                      ELSE j.last_error END,
+    error_fingerprint = CASE WHEN d.expired
+                             THEN 'LeaseExpired: lease expired: worker <*> died or froze'
+                             ELSE j.error_fingerprint END,
+    cancel_requested = j.cancel_requested AND d.next_state <> 'cancelled',
+    updated_at = %(now)s
+FROM decided d
+WHERE j.id = d.id
+RETURNING j.*, d.expired AS reclaimed;
+
+------------------------------------------------------------------------------------------------------
+-- Running and settling. Every state change from running is fenced: the row must still be running,
+-- held by this worker, at this attempt. Zero rows means a rescuer took it: not an error, roll back.
+------------------------------------------------------------------------------------------------------
+
+-- name: heartbeat_jobs
+UPDATE job_queue SET
+    locked_until = %(now)s + make_interval(secs => visibility_timeout_seconds),
+    updated_at = %(now)s
+WHERE id = ANY(%(ids)s) AND state = 'running' AND locked_by = %(worker)s
+RETURNING id, attempts, cancel_requested;
+
+-- name: record_processed_key
+INSERT INTO processed_keys (idempotency_key, job_id, job_type, processed_at, expires_at)
+VALUES (%(key)s, %(job_id)s, %(job_type)s, %(now)s, %(now)s + make_interval(secs => %(retention_seconds)s))
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING job_id;
+
+-- name: processed_key_owner
+SELECT job_id FROM processed_keys WHERE idempotency_key = %(key)s;
+
+-- name: settle_succeeded
+UPDATE job_queue SET
+    state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s,
+    cancel_requested = false
+WHERE id = %(id)s AND state = 'running' AND attempts = %(attempt)s AND locked_by = %(worker)s
+RETURNING id;
+
+-- name: settle_error
+UPDATE job_queue SET
+    state = %(state)s,
+    scheduled_at = CASE WHEN %(state)s = 'retry_scheduled' THEN %(scheduled_at)s ELSE scheduled_at END,
+    finished_at = CASE WHEN %(state)s = 'retry_scheduled' THEN NULL ELSE %(now)s END,
+    locked_until = NULL,
+    errors = errors || jsonb_build_array(%(error)s::jsonb),
+    last_error = %(last_error)s,
+    error_fingerprint = %(fingerprint)s,
+    cancel_requested = false,
+    updated_at = %(now)s
+WHERE id = %(id)s AND state = 'running' AND attempts = %(attempt)s AND locked_by = %(worker)s
+RETURNING id;
+
+-- name: release_job
+-- Give a claimed job back without counting the attempt: shutdown before it finished, or lock contention.
+UPDATE job_queue SET
+    state = 'queued', attempts = attempts - 1, locked_by = NULL, locked_until = NULL,
+    scheduled_at = %(scheduled_at)s, started_at = NULL, updated_at = %(now)s
+WHERE id = %(id)s AND state = 'running' AND attempts = %(attempt)s AND locked_by = %(worker)s
+RETURNING id;
+
+-- name: expire_worker_leases
+-- A supervisor saw its child die: its leases end now, so any worker reclaims them at once.
+UPDATE job_queue SET locked_until = %(now)s - interval '1 millisecond', updated_at = %(now)s
+WHERE state = 'running' AND locked_by = ANY(%(workers)s)
+RETURNING id;
+
+------------------------------------------------------------------------------------------------------
+-- lock_key leases (PostgreSQL backend): token-fenced, expiring, so a dead holder frees it by itself.
+------------------------------------------------------------------------------------------------------
+
+-- name: lock_acquire
+INSERT INTO resource_locks (lock_key, token, job_id, expires_at)
+VALUES (%(key)s, %(token)s, %(job_id)s, %(now)s + make_interval(secs => %(ttl)s))
+ON CONFLICT (lock_key) DO UPDATE
+    SET token = EXCLUDED.token, job_id = EXCLUDED.job_id, expires_at = EXCLUDED.expires_at
+    WHERE resource_locks.expires_at < %(now)s OR resource_locks.token = EXCLUDED.token
+RETURNING token;
+
+-- name: lock_extend
+UPDATE resource_locks SET expires_at = %(now)s + make_interval(secs => %(ttl)s)
+WHERE lock_key = %(key)s AND token = %(token)s
+RETURNING lock_key;
+
+-- name: lock_release
+DELETE FROM resource_locks WHERE lock_key = %(key)s AND token = %(token)s RETURNING lock_key;
+
+-- name: lock_holder
+SELECT lock_key, token, job_id, expires_at FROM resource_locks WHERE lock_key = %(key)s;
+
+------------------------------------------------------------------------------------------------------
+-- Workers and metrics
+------------------------------------------------------------------------------------------------------
+
+-- name: worker_upsert
+INSERT INTO workers (id, host, pid, queues, tasks, concurrency, in_flight, started_at, last_heartbeat_at)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(tasks)s, %(concurrency)s, %(in_flight)s, %(now)s, %(now)s)
+ON CONFLICT (id) DO UPDATE SET
+    in_flight = EXCLUDED.in_flight, last_heartbeat_at = EXCLUDED.last_heartbeat_at, stopped_at = NULL;
+
+-- name: worker_stopped
+UPDATE workers SET stopped_at = %(now)s, in_flight = 0, last_heartbeat_at = %(now)s WHERE id = %(id)s;
+
+-- name: workers_prune
+DELETE FROM workers WHERE last_heartbeat_at < %(before)s;
+
+-- name: metrics_flush
+INSERT INTO job_metrics_minute AS m (
+    minute, queue, job_type, started, succeeded, failed, dead_lettered, retried, timeouts, anomalies,
+    lock_contention, dedup_hits, idempotency_hits, lease_expirations, cancelled, latency_ms_sum, duration_ms_sum)
+SELECT minute, queue, job_type, started, succeeded, failed, dead_lettered, retried, timeouts, anomalies,
+       lock_contention, dedup_hits, idempotency_hits, lease_expirations, cancelled, latency_ms_sum, duration_ms_sum
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(
+    minute timestamptz, queue text, job_type text, started bigint, succeeded bigint, failed bigint,
+    dead_lettered bigint, retried bigint, timeouts bigint, anomalies bigint, lock_contention bigint,
+    dedup_hits bigint, idempotency_hits bigint, lease_expirations bigint, cancelled bigint,
+    latency_ms_sum float8, duration_ms_sum float8)
+ORDER BY minute, queue, job_type
+ON CONFLICT (minute, queue, job_type) DO UPDATE SET
+    started = m.started + EXCLUDED.started,
+    succeeded = m.succeeded + EXCLUDED.succeeded,
+    failed = m.failed + EXCLUDED.failed,
+    dead_lettered = m.dead_lettered + EXCLUDED.dead_lettered,
+    retried = m.retried + EXCLUDED.retried,
+    timeouts = m.timeouts + EXCLUDED.timeouts,
+    anomalies = m.anomalies + EXCLUDED.anomalies,
+    lock_contention = m.lock_contention + EXCLUDED.lock_contention,
+    dedup_hits = m.dedup_hits + EXCLUDED.dedup_hits,
+    idempotency_hits = m.idempotency_hits + EXCLUDED.idempotency_hits,
+    lease_expirations = m.lease_expirations + EXCLUDED.lease_expirations,
+    cancelled = m.cancelled + EXCLUDED.cancelled,
+    latency_ms_sum = m.latency_ms_sum + EXCLUDED.latency_ms_sum,
+    duration_ms_sum = m.duration_ms_sum + EXCLUDED.duration_ms_sum;
+
+-- name: burst_remaining
+-- What keeps a --burst worker alive: running jobs, ready jobs, and retries it must still drain.
+SELECT count(*) AS n FROM job_queue
+WHERE (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
+  AND (state IN ('running', 'retry_scheduled') OR (state = 'queued' AND scheduled_at <= %(now)s))
+  AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue);
+
+-- name: next_due_at
+SELECT min(scheduled_at) AS at FROM job_queue
+WHERE state IN ('queued', 'retry_scheduled')
+  AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s);
+
+-- name: paused_queues
+SELECT name FROM queues WHERE paused ORDER BY name;
+
+------------------------------------------------------------------------------------------------------
+-- Housekeeping (whoever wins pg_try_advisory_xact_lock does it)
+------------------------------------------------------------------------------------------------------
+
+-- name: try_housekeeping_lock
+SELECT pg_try_advisory_xact_lock(%(key)s) AS won;
+
+-- name: prune_processed_keys
+DELETE FROM processed_keys WHERE expires_at < %(now)s;
+
+-- name: prune_resource_locks
+DELETE FROM resource_locks WHERE expires_at < %(now)s;
+
+------------------------------------------------------------------------------------------------------
+-- Reading (stats.py): the console, `qconsole stats` and the metrics endpoint share these. Each one
+-- reads live states through the partial indexes, or the per-minute rollups: none scans finished rows.
+------------------------------------------------------------------------------------------------------
+
+-- name: stats_live
+SELECT queue, job_type,
+       count(*) FILTER (WHERE state = 'queued') AS queued,
+       count(*) FILTER (WHERE state = 'running') AS running,
+       count(*) FILTER (WHERE state = 'retry_scheduled') AS retry_scheduled,
+       min(scheduled_at) FILTER (WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s)
+           AS oldest_ready_at
+FROM job_queue
+WHERE state IN ('queued', 'running', 'retry_scheduled')
+GROUP BY queue, job_type;
+
+-- name: stats_dead
+SELECT queue, job_type,
+       count(*) FILTER (WHERE state = 'failed') AS failed,
+       count(*) FILTER (WHERE state = 'dead_lettered') AS dead_lettered
+FROM job_queue
+WHERE state IN ('failed', 'dead_lettered')
+GROUP BY queue, job_type;
+
+-- name: stats_window
+SELECT queue, job_type,
+       sum(started) AS started, sum(succeeded) AS succeeded, sum(failed) AS failed,
+       sum(dead_lettered) AS dead_lettered, sum(retried) AS retried, sum(timeouts) AS timeouts,
+       sum(anomalies) AS anomalies, sum(lock_contention) AS lock_contention, sum(dedup_hits) AS dedup_hits,
+       sum(idempotency_hits) AS idempotency_hits, sum(lease_expirations) AS lease_expirations,
+       sum(cancelled) AS cancelled, sum(latency_ms_sum) AS latency_ms_sum, sum(duration_ms_sum) AS duration_ms_sum
+FROM job_metrics_minute
+WHERE minute >= %(since)s
+GROUP BY queue, job_type;
+
+-- name: stats_series
+SELECT minute, queue, job_type, succeeded, failed, dead_lettered, retried, lease_expirations, started
+FROM job_metrics_minute
+WHERE minute >= %(since)s
+ORDER BY minute;
+
+-- name: queues_list
+SELECT name, paused, changed_at, changed_by FROM queues ORDER BY name;
+
+-- name: workers_list
+SELECT id, host, pid, queues, tasks, concurrency, in_flight, started_at, last_heartbeat_at, stopped_at
+FROM workers
+WHERE stopped_at IS NULL OR stopped_at > %(since)s
+ORDER BY host, pid, id;
+
+-- name: job_get
+SELECT * FROM job_queue WHERE id = %(id)s;
+
+-- name: job_lock
+SELECT lock_key, token, job_id, expires_at FROM resource_locks WHERE job_id = %(id)s;
+
+-- name: dead_letter_groups
+SELECT job_type, coalesce(error_fingerprint, '(no error recorded)') AS fingerprint, state,
+       count(*) AS n, min(finished_at) AS first_seen, max(finished_at) AS last_seen,
+       (array_agg(last_error ORDER BY finished_at DESC))[1] AS sample_error,
+       (array_agg(id ORDER BY finished_at DESC))[1:%(max_ids)s] AS job_ids
+FROM job_queue
+WHERE state = ANY(%(states)s) AND (%(job_type)s::text IS NULL OR job_type = %(job_type)s)
+GROUP BY job_type, coalesce(error_fingerprint, '(no error recorded)'), state
+ORDER BY count(*) DESC, job_type, fingerprint
+LIMIT %(limit)s;
+
+-- name: audit_list
+SELECT id, at, os_user, ssh_client, action, queue, job_ids, reason, detail
+FROM audit_log ORDER BY at DESC, id DESC LIMIT %(limit)s;
+
+------------------------------------------------------------------------------------------------------
+-- Operator actions (ops.py). Each returns the ids it changed; the audit row is written in the same
+-- transaction, so an action without its audit entry cannot commit.
+------------------------------------------------------------------------------------------------------
+
+-- name: is_read_only
+SELECT current_setting('transaction_read_only') = 'on' AS ro;
+
+-- name: requeue_jobs
+-- Back to queued with a fresh budget. The history stays (attempts keep counting, so fencing stays
+-- unique); a live job holding the same dedup key wins, and this one is skipped.
+UPDATE job_queue j SET
+    state = 'queued', max_attempts = j.attempts + %(budget)s, scheduled_at = %(now)s, finished_at = NULL,
+    locked_until = NULL, cancel_requested = false, updated_at = %(now)s,
+    payload = coalesce(%(payload)s::jsonb, j.payload)
+WHERE j.id = ANY(%(ids)s) AND j.state IN ('dead_lettered', 'failed', 'cancelled')
+  AND (j.dedup_key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM job_queue l
+        WHERE l.dedup_key = j.dedup_key AND l.state IN ('queued', 'running', 'retry_scheduled')))
+RETURNING j.id, j.queue, j.max_attempts - j.attempts AS budget;
+
+-- name: kill_waiting
+UPDATE job_queue SET state = 'cancelled', finished_at = %(now)s, updated_at = %(now)s,
+    errors = errors || jsonb_build_array(jsonb_build_object(
+        'attempt', attempts, 'kind', 'cancelled', 'class', 'Killed', 'message', %(message)s::text,
+        'worker', NULL, 'at', %(now)s)),
+    last_error = 'Killed: ' || %(message)s::text
+WHERE id = ANY(%(ids)s) AND state IN ('queued', 'retry_scheduled')
+RETURNING id;
+
+-- name: kill_running
+-- A running job is killed by its worker, which sees the flag within one heartbeat.
+UPDATE job_queue SET cancel_requested = true, updated_at = %(now)s
+WHERE id = ANY(%(ids)s) AND state = 'running' AND NOT cancel_requested
+RETURNING id;
+
+-- name: group_ids
+SELECT id FROM job_queue
+WHERE state = %(state)s AND job_type = %(job_type)s
+  AND coalesce(error_fingerprint, '(no error recorded)') = %(fingerprint)s;
+
+-- name: queue_set_paused
+INSERT INTO queues (name, paused, changed_at, changed_by) VALUES (%(name)s, %(paused)s, %(now)s, %(actor)s)
+ON CONFLICT (name) DO UPDATE SET paused = EXCLUDED.paused, changed_at = EXCLUDED.changed_at,
+    changed_by = EXCLUDED.changed_by
+RETURNING name, paused;
+
+-- name: audit_insert
+INSERT INTO audit_log (at, os_user, ssh_client, action, queue, job_ids, reason, detail)
+VALUES (%(now)s, %(os_user)s, %(ssh_client)s, %(action)s, %(queue)s, %(job_ids)s, %(reason)s, %(detail)s::jsonb)
+RETURNING id;
+
+-- name: notify_queue
+SELECT pg_notify('worker_core_jobs', %(queue)s);

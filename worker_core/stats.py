@@ -1,0 +1,240 @@
+"""The read side: every query the console, ``qconsole stats``/``jobs``/``job`` and the metrics server run.
+
+Cheap on a table of millions of rows: live states come through the partial indexes, rates and series
+from the per-minute rollups, never from finished rows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections import defaultdict
+from typing import Any
+
+from psycopg import sql
+
+from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.db import Conn
+from worker_core.errors import NotFound
+from worker_core.models import (
+    AuditEntry,
+    DeadLetterGroup,
+    Job,
+    JobState,
+    Overview,
+    QueueInfo,
+    TypeStats,
+    WorkerInfo,
+)
+from worker_core.sql import queries
+
+#: rates are averaged over this window
+WINDOW_MINUTES = 15
+SERIES_MINUTES = 60
+#: a worker whose heartbeat is older than this (and that did not say goodbye) is lost
+LOST_AFTER_SECONDS = 30.0
+
+
+def _ago(now: dt.datetime, minutes: int) -> dt.datetime:
+    return now.replace(second=0, microsecond=0) - dt.timedelta(minutes=minutes - 1)
+
+
+def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WINDOW_MINUTES) -> Overview:
+    """Per queue and job type: counts by state, lag, rates; queues; live workers; hourly series."""
+    now = clock.now()
+    rows: dict[tuple[str, str], dict[str, Any]] = defaultdict(dict)
+    with conn.transaction():
+        for r in conn.execute(queries["stats_live"], {"now": now}):
+            oldest = r.pop("oldest_ready_at")
+            r["oldest_waiting_seconds"] = max(0.0, (now - oldest).total_seconds()) if oldest else 0.0
+            rows[(r["queue"], r["job_type"])].update(r)
+        for r in conn.execute(queries["stats_dead"]):
+            rows[(r["queue"], r["job_type"])].update(r)
+        window = {
+            (r["queue"], r["job_type"]): r
+            for r in conn.execute(queries["stats_window"], {"since": _ago(now, window_minutes)})
+        }
+        series_rows = conn.execute(queries["stats_series"], {"since": _ago(now, SERIES_MINUTES)}).fetchall()
+        queue_rows = conn.execute(queries["queues_list"]).fetchall()
+        worker_rows = workers(conn, clock)
+    paused = {q["name"] for q in queue_rows if q["paused"]}
+    types = []
+    for key in sorted(set(rows) | set(window)):
+        r, w = rows.get(key, {}), window.get(key, {})
+        per_min = 1.0 / window_minutes
+        types.append(
+            TypeStats(
+                queue=key[0],
+                job_type=key[1],
+                queued=int(r.get("queued", 0)),
+                running=int(r.get("running", 0)),
+                retry_scheduled=int(r.get("retry_scheduled", 0)),
+                failed=int(r.get("failed", 0)),
+                dead_lettered=int(r.get("dead_lettered", 0)),
+                succeeded=int(w.get("succeeded") or 0),
+                cancelled=int(w.get("cancelled") or 0),
+                oldest_waiting_seconds=float(r.get("oldest_waiting_seconds", 0.0)),
+                paused=key[0] in paused,
+                throughput_per_min=float(w.get("succeeded") or 0) * per_min,
+                dlq_per_min=float(w.get("dead_lettered") or 0) * per_min,
+                lease_expirations_per_min=float(w.get("lease_expirations") or 0) * per_min,
+                retries_per_min=float(w.get("retried") or 0) * per_min,
+                retries=int(w.get("retried") or 0),
+                timeouts=int(w.get("timeouts") or 0),
+                anomalies=int(w.get("anomalies") or 0),
+                lease_expirations=int(w.get("lease_expirations") or 0),
+                lock_contention=int(w.get("lock_contention") or 0),
+                dedup_hits=int(w.get("dedup_hits") or 0),
+                idempotency_hits=int(w.get("idempotency_hits") or 0),
+            )
+        )
+    waiting: dict[str, int] = defaultdict(int)
+    running: dict[str, int] = defaultdict(int)
+    for t in types:
+        waiting[t.queue] += t.waiting
+        running[t.queue] += t.running
+    names = sorted({t.queue for t in types} | {q["name"] for q in queue_rows})
+    by_name = {q["name"]: q for q in queue_rows}
+    queues_info = [
+        QueueInfo(
+            name=n,
+            paused=n in paused,
+            waiting=waiting[n],
+            running=running[n],
+            changed_by=(by_name.get(n) or {}).get("changed_by"),
+            changed_at=(by_name.get(n) or {}).get("changed_at"),
+        )
+        for n in names
+    ]
+    start = _ago(now, SERIES_MINUTES)
+    throughput: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0] * SERIES_MINUTES)
+    for r in series_rows:
+        i = int((r["minute"] - start).total_seconds() // 60)
+        if 0 <= i < SERIES_MINUTES:
+            throughput[(r["queue"], r["job_type"])][i] += r["succeeded"]
+    return Overview(
+        at=now,
+        types=types,
+        queues=queues_info,
+        workers_alive=sum(1 for w in worker_rows if not w.lost and w.stopped_at is None),
+        window_minutes=window_minutes,
+        throughput=dict(throughput),
+    )
+
+
+def series(
+    conn: Conn, metric: str, clock: Clock = SYSTEM_CLOCK, minutes: int = SERIES_MINUTES, by: str = "job_type"
+) -> dict[str, list[float]]:
+    """Per-minute values of one counter (``retried``, ``lease_expirations``, ``succeeded``...) per job type
+    (or per queue), oldest first, over the last ``minutes``."""
+    if metric not in ("succeeded", "failed", "dead_lettered", "retried", "lease_expirations", "started"):
+        raise ValueError(f"unknown series {metric!r}")
+    now = clock.now()
+    start = _ago(now, minutes)
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0] * minutes)
+    with conn.transaction():
+        for r in conn.execute(queries["stats_series"], {"since": start}):
+            i = int((r["minute"] - start).total_seconds() // 60)
+            if 0 <= i < minutes:
+                out[r[by]][i] += r[metric]
+    return dict(out)
+
+
+def workers(conn: Conn, clock: Clock = SYSTEM_CLOCK) -> list[WorkerInfo]:
+    now = clock.now()
+    out = []
+    for r in conn.execute(queries["workers_list"], {"since": now - dt.timedelta(minutes=10)}):
+        lost = r["stopped_at"] is None and (now - r["last_heartbeat_at"]).total_seconds() > LOST_AFTER_SECONDS
+        out.append(WorkerInfo(**r, lost=lost))
+    return out
+
+
+def queues(conn: Conn) -> list[QueueInfo]:
+    return overview(conn).queues
+
+
+def get_job(conn: Conn, job_id: uuid.UUID | str) -> Job:
+    try:
+        jid = uuid.UUID(str(job_id))
+    except ValueError:
+        raise NotFound(f"{job_id!r} is not a job id") from None
+    row = conn.execute(queries["job_get"], {"id": jid}).fetchone()
+    if row is None:
+        raise NotFound(f"no job {jid}")
+    return Job.from_row(row)
+
+
+def job_lock(conn: Conn, job_id: uuid.UUID) -> dict[str, Any] | None:
+    return conn.execute(queries["job_lock"], {"id": job_id}).fetchone()
+
+
+_JOB_COLUMNS = sql.SQL(", ").join(sql.Identifier(c) for c in Job.__dataclass_fields__)
+
+
+def list_jobs(
+    conn: Conn,
+    *,
+    state: str | JobState | None = None,
+    job_type: str | None = None,
+    queue: str | None = None,
+    search: str | None = None,
+    limit: int = 100,
+) -> list[Job]:
+    """Jobs by filter, newest activity first. ``search`` matches an id prefix, idempotency or dedup key,
+    or the error text. Every value is a bound parameter."""
+    where: list[sql.Composable] = []
+    params: dict[str, Any] = {"limit": max(1, min(int(limit), 10_000))}
+    if state:
+        params["state"] = JobState(state).value
+        where.append(sql.SQL("state = %(state)s"))
+    if job_type:
+        params["job_type"] = job_type
+        where.append(sql.SQL("job_type = %(job_type)s"))
+    if queue:
+        params["queue"] = queue
+        where.append(sql.SQL("queue = %(queue)s"))
+    if search:
+        params["search"] = search
+        params["like"] = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        where.append(
+            sql.SQL(
+                "(id::text LIKE %(search)s || '%%' OR idempotency_key = %(search)s OR dedup_key = %(search)s"
+                " OR lock_key = %(search)s OR last_error ILIKE %(like)s)"
+            )
+        )
+    query = sql.SQL("SELECT {cols} FROM job_queue {where} ORDER BY updated_at DESC, id LIMIT %(limit)s").format(
+        cols=_JOB_COLUMNS,
+        where=sql.SQL("WHERE ") + sql.SQL(" AND ").join(where) if where else sql.SQL(""),
+    )
+    return [Job.from_row(r) for r in conn.execute(query, params)]
+
+
+def dead_letter_groups(
+    conn: Conn,
+    *,
+    job_type: str | None = None,
+    states: tuple[str, ...] = ("dead_lettered",),
+    limit: int = 200,
+    max_ids: int = 1000,
+) -> list[DeadLetterGroup]:
+    rows = conn.execute(
+        queries["dead_letter_groups"],
+        {"states": list(states), "job_type": job_type, "limit": limit, "max_ids": max_ids},
+    ).fetchall()
+    return [
+        DeadLetterGroup(
+            job_type=r["job_type"],
+            fingerprint=r["fingerprint"],
+            sample_error=r["sample_error"] or "",
+            count=r["n"],
+            first_seen=r["first_seen"],
+            last_seen=r["last_seen"],
+            job_ids=list(r["job_ids"] or []),
+            state=r["state"],
+        )
+        for r in rows
+    ]
+
+
+def audit_log(conn: Conn, limit: int = 100) -> list[AuditEntry]:
+    return [AuditEntry(**r) for r in conn.execute(queries["audit_list"], {"limit": limit})]

@@ -1,0 +1,118 @@
+"""``--processes N``: N worker processes under one supervisor, with no coordinator beyond PostgreSQL.
+
+The supervisor restarts a child that dies (with backoff when it keeps dying), and ends a dead child's
+leases at once so its jobs are reclaimed without waiting for their visibility timeout. SIGTERM is passed
+on to the children, which finish or release their jobs within the grace period; then it exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+from multiprocessing.process import BaseProcess
+
+import psycopg
+
+from worker_core import db
+from worker_core.clock import SYSTEM_CLOCK
+from worker_core.logs import bound_logger
+from worker_core.sql import queries
+from worker_core.worker import WorkerConfig, run_worker
+
+
+def _child(config: WorkerConfig, log_format: str) -> None:
+    from worker_core.logs import setup_logging
+
+    setup_logging(log_format)
+    raise SystemExit(run_worker(config))
+
+
+class Supervisor:
+    def __init__(self, config: WorkerConfig, processes: int, log_format: str = "text") -> None:
+        self.config = config
+        self.processes = processes
+        self.log_format = log_format
+        self.log = bound_logger("worker_core.supervisor")
+        self.ctx = mp.get_context("spawn")
+        self.children: dict[int, tuple[BaseProcess, str]] = {}
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._generation = 0
+        self._recent_deaths: list[float] = []
+        self.dsn = db.resolve_dsn(config.dsn)
+
+    def _start(self, slot: int) -> None:
+        self._generation += 1
+        worker_id = f"{socket.gethostname()}:{os.getpid()}:w{slot}.{self._generation}"
+        cfg = dataclasses.replace(self.config, worker_id=worker_id, dsn=self.dsn)
+        proc = self.ctx.Process(target=_child, args=(cfg, self.log_format), name=f"worker-{slot}", daemon=False)
+        proc.start()
+        self.children[slot] = (proc, worker_id)
+
+    def _expire(self, worker_id: str) -> None:
+        try:
+            with db.connect(self.dsn, application_name="qconsole-supervisor") as conn, conn.transaction():
+                rows = conn.execute(
+                    queries["expire_worker_leases"], {"now": SYSTEM_CLOCK.now(), "workers": [worker_id]}
+                ).fetchall()
+            if rows:
+                self.log.warning("ended %s leases of dead worker %s", len(rows), worker_id)
+        except psycopg.Error as e:
+            self.log.warning("could not end the leases of %s: %s", worker_id, db.redact(str(e), self.dsn))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, lambda s, f: self.stop())
+        for slot in range(self.processes):
+            self._start(slot)
+        self.log.info("supervising %s worker processes", self.processes)
+        while not self._stop.is_set():
+            for slot, (proc, worker_id) in list(self.children.items()):
+                if proc.is_alive():
+                    continue
+                proc.join()
+                if self.config.burst and proc.exitcode == 0:
+                    del self.children[slot]
+                    continue
+                self.log.warning("worker %s exited with %s: restarting", worker_id, proc.exitcode)
+                self._expire(worker_id)
+                now = time.monotonic()
+                self._recent_deaths = [t for t in self._recent_deaths if now - t < 30] + [now]
+                if len(self._recent_deaths) > 3 * self.processes:
+                    self._stop.wait(min(5.0, 0.2 * len(self._recent_deaths)))
+                self.restarts += 1
+                self._start(slot)
+            if self.config.burst and not self.children:
+                return 0
+            self._stop.wait(0.2)
+        return self._shutdown()
+
+    def _shutdown(self) -> int:
+        for proc, _ in self.children.values():
+            if proc.is_alive() and proc.pid:
+                os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.shutdown_grace + self.config.cancel_grace + 10
+        for proc, worker_id in self.children.values():
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                self.log.error("worker %s did not stop in time: killed", worker_id)
+                proc.kill()
+                proc.join(5)
+                self._expire(worker_id)
+        return 0
+
+
+def run_supervised(config: WorkerConfig, processes: int, log_format: str = "text") -> int:
+    return Supervisor(config, processes, log_format).run()
+
+
+__all__ = ["Supervisor", "run_supervised"]

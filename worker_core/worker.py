@@ -1,0 +1,741 @@
+"""The worker: claim -> execute -> settle, with heartbeats, and nothing a handler does takes it down.
+
+Threads of one worker process:
+- the claimer (the caller's thread): claims as many jobs as there are free slots, woken by LISTEN/NOTIFY
+  (the listener thread) with polling as the fallback;
+- ``concurrency`` slot threads, each with its own connection: a job's transaction lives on it;
+- the heartbeat thread: extends the leases of in-flight jobs (and their lock_key leases), sees kills and
+  lost leases, upserts the ``workers`` row, flushes metrics and does housekeeping when it wins the lock.
+
+Per job (DESIGN.md, "The worker"): lock_key lease, then in one transaction the idempotency record, the
+handler's writes through ``ctx.tx`` and the fenced ``succeeded`` transition. Any failure rolls that
+transaction back and settles the job in a new one: retry with backoff, failed, dead_lettered or cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import os
+import queue as queue_mod
+import random
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from worker_core import db
+from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.context import JobContext
+from worker_core.errors import JobTimeout, LeaseLost, PermanentError, classify
+from worker_core.fingerprint import fingerprint
+from worker_core.locks import LockBackend, lease_seconds, lock_backend, new_token
+from worker_core.logs import bound_logger, job_fields
+from worker_core.metrics import MetricsBuffer
+from worker_core.registry import Registry, Task, import_task_modules
+from worker_core.registry import registry as global_registry
+from worker_core.retry import RetryPolicy
+from worker_core.sql import queries
+
+#: housekeeping advisory lock key ("qc-house")
+HOUSEKEEPING_LOCK = 0x71632D686F757365
+MAX_ERROR_MESSAGE = 2000
+
+
+@dataclass
+class WorkerConfig:
+    dsn: str | None = None
+    task_modules: tuple[str, ...] = ()
+    #: None: every queue
+    queues: tuple[str, ...] | None = None
+    concurrency: int = 4
+    batch_size: int | None = None
+    poll_interval: float = 1.0
+    heartbeat_interval: float = 2.0
+    shutdown_grace: float = 10.0
+    #: how long a cancelled (killed, timed out) sync handler gets to return before it is abandoned
+    cancel_grace: float = 2.0
+    burst: bool = False
+    lock_backend: str | None = None
+    lock_contention_delay: float = 1.0
+    idempotency_retention_seconds: float = 7 * 86400
+    housekeeping_interval: float = 60.0
+    worker_id: str | None = None
+    application_name: str = "qconsole-worker"
+
+
+@dataclass
+class Execution:
+    job: dict[str, Any]
+    ctx: JobContext
+    lock: tuple[str, str] | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class HandlerFailure(Exception):
+    """Wraps whatever a handler raised (BaseException included) so it never unwinds the worker."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(repr(exc))
+        self.exc = exc
+
+
+class Cancelled(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"job {reason}")
+        self.reason = reason
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def _is_db_error(exc: BaseException) -> bool:
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, registry: Registry | None = None, clock: Clock = SYSTEM_CLOCK):
+        self.config = config
+        if config.task_modules:
+            import_task_modules(config.task_modules)
+        self.registry = registry or global_registry
+        if not self.registry.job_types():
+            raise ValueError("no task is registered: give --tasks MODULE with @worker_core.task handlers")
+        self.clock = clock
+        self.id = config.worker_id or default_worker_id()
+        self.dsn = db.resolve_dsn(config.dsn)
+        self.log = bound_logger("worker_core.worker", worker_id=self.id)
+        self.locks: LockBackend = lock_backend(config.lock_backend, clock)
+        self.metrics = MetricsBuffer(clock)
+        self.batch_size = config.batch_size or config.concurrency
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._slot_free = threading.Condition()
+        self._in_flight: dict[uuid.UUID, Execution] = {}
+        self._jobs: queue_mod.Queue[Execution | None] = queue_mod.Queue()
+        self._threads: list[threading.Thread] = []
+        self._claim_conn: db.Conn | None = None
+        self._last_housekeeping = 0.0
+        self.zombies = 0
+        self.claimed_total = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        """Graceful: stop claiming; in-flight jobs get ``shutdown_grace`` seconds, then are released."""
+        self._stopping.set()
+        self._wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stopping.is_set():
+                self.config.shutdown_grace = 0  # second signal: release now
+            self.log.info("signal %s: stopping (grace %ss)", signum, self.config.shutdown_grace)
+            self.stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, handler)
+
+    def run(self) -> int:
+        """Run until stopped (or, with ``burst``, until nothing is ready or running). Returns an exit code."""
+        self._install_signals()
+        self.log.info(
+            "worker starting: queues=%s types=%s concurrency=%s",
+            ",".join(self.config.queues) if self.config.queues else "*",
+            ",".join(self.registry.job_types()),
+            self.config.concurrency,
+        )
+        for i in range(self.config.concurrency):
+            self._spawn(self._slot_main, f"slot-{i}", i)
+        self._spawn(self._heartbeat_main, "heartbeat")
+        self._spawn(self._listen_main, "listener")
+        self._heartbeat_once()
+        try:
+            self._claim_loop()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _spawn(self, target: Any, name: str, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, name=f"{name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _shutdown(self) -> None:
+        deadline = time.monotonic() + self.config.shutdown_grace
+        with self._slot_free:
+            while self._in_flight and time.monotonic() < deadline:
+                self._slot_free.wait(0.1)
+        for ex in list(self._in_flight.values()):
+            ex.ctx.cancel("shutdown")
+        deadline = time.monotonic() + self.config.cancel_grace + 3
+        with self._slot_free:
+            while self._in_flight and time.monotonic() < deadline:
+                self._slot_free.wait(0.1)
+        for _ in range(self.config.concurrency):
+            self._jobs.put(None)
+        try:
+            self._flush_and_beat(final=True)
+        except Exception as e:
+            self.log.warning("could not record the worker's stop: %s", db.redact(str(e), self.dsn))
+        if self._claim_conn is not None:
+            self._claim_conn.close()
+        self.log.info("worker stopped: %s jobs claimed, %s still in flight", self.claimed_total, len(self._in_flight))
+
+    # ------------------------------------------------------------------ claiming
+
+    def _claim_params(self, limit: int) -> dict[str, Any]:
+        queues = list(self.config.queues or [])
+        return {
+            "now": self.clock.now(),
+            "worker": self.id,
+            "limit": limit,
+            "all_queues": not queues,
+            "queues": queues,
+            "job_types": self.registry.job_types(),
+        }
+
+    def _conn_for_claims(self) -> db.Conn:
+        if self._claim_conn is None or self._claim_conn.closed or self._claim_conn.broken:
+            self._claim_conn = db.connect(self.dsn, application_name=self.config.application_name)
+        return self._claim_conn
+
+    def claim(self, limit: int) -> list[dict[str, Any]]:
+        """Claim up to ``limit`` jobs; returns the rows now ``running`` and held by this worker."""
+        conn = self._conn_for_claims()
+        with conn.transaction():
+            rows = conn.execute(queries["claim"], self._claim_params(limit)).fetchall()
+        running = []
+        for row in rows:
+            if row["reclaimed"]:
+                self.metrics.add(row["queue"], row["job_type"], "lease_expirations")
+            if row["state"] == "running":
+                running.append(row)
+            elif row["state"] == "dead_lettered":
+                self.metrics.add(row["queue"], row["job_type"], "dead_lettered")
+                self.log.warning(
+                    "poison pill: lease expired with no attempts left, dead-lettered without running",
+                    extra=job_fields(row),
+                )
+            elif row["state"] == "cancelled":
+                self.metrics.add(row["queue"], row["job_type"], "cancelled")
+        running.sort(key=lambda r: (r["priority"], r["scheduled_at"], r["id"]))
+        return running
+
+    def _free_slots(self) -> int:
+        return self.config.concurrency - len(self._in_flight)
+
+    def _claim_loop(self) -> None:
+        backoff = 0.0
+        while not self.stopping:
+            with self._slot_free:
+                while self._free_slots() <= 0 and not self.stopping:
+                    self._slot_free.wait(0.5)
+            if self.stopping:
+                break
+            limit = min(self._free_slots(), self.batch_size)
+            self._wake.clear()
+            try:
+                rows = self.claim(limit)
+                backoff = 0.0
+            except psycopg.Error as e:
+                backoff = min(max(backoff * 2, 0.2), 10.0)
+                self.log.warning("claim failed (%s); retrying in %.1fs", db.redact(str(e).strip(), self.dsn), backoff)
+                self._claim_conn = None
+                self._stopping.wait(backoff * random.uniform(0.8, 1.2))
+                continue
+            for row in rows:
+                self._dispatch(row)
+            if len(rows) == limit:
+                continue
+            if self.config.burst and not self._in_flight and self._burst_done():
+                self.log.info("burst: nothing ready or running, exiting")
+                break
+            self._wake.wait(self._idle_wait())
+
+    def _idle_wait(self) -> float:
+        return self.config.poll_interval * random.uniform(0.9, 1.1)
+
+    def _burst_done(self) -> bool:
+        conn = self._conn_for_claims()
+        with conn.transaction():
+            row = conn.execute(queries["burst_remaining"], self._claim_params(0)).fetchone()
+        return row is not None and row["n"] == 0
+
+    def _dispatch(self, row: dict[str, Any]) -> None:
+        fields = job_fields(row)
+        ctx = JobContext(
+            job_id=row["id"],
+            job_type=row["job_type"],
+            queue=row["queue"],
+            attempt=row["attempts"],
+            max_attempts=row["max_attempts"],
+            idempotency_key=row["idempotency_key"],
+            trace_id=row["trace_id"],
+            tenant_id=row["tenant_id"],
+            worker_id=self.id,
+            logger=self.log.bind(**fields),
+        )
+        ex = Execution(job=row, ctx=ctx)
+        with self._slot_free:
+            self._in_flight[row["id"]] = ex
+        self.claimed_total += 1
+        self._jobs.put(ex)
+
+    def _done(self, ex: Execution) -> None:
+        with self._slot_free:
+            self._in_flight.pop(ex.job["id"], None)
+            self._slot_free.notify_all()
+        self._wake.set()
+
+    # ------------------------------------------------------------------ listener and heartbeat
+
+    def _listen_main(self) -> None:
+        backoff = 0.5
+        while not self.stopping:
+            try:
+                with db.connect(self.dsn, application_name=self.config.application_name, autocommit=True) as conn:
+                    conn.execute("LISTEN worker_core_jobs")
+                    backoff = 0.5
+                    while not self.stopping:
+                        for _ in conn.notifies(timeout=1.0, stop_after=1):
+                            self._wake.set()
+            except psycopg.Error:
+                self._stopping.wait(backoff * random.uniform(0.8, 1.2))
+                backoff = min(backoff * 2, 10.0)
+
+    def _heartbeat_main(self) -> None:
+        while not self._stopping.wait(self.config.heartbeat_interval):
+            self._heartbeat_once()
+
+    def _heartbeat_once(self) -> None:
+        try:
+            self._flush_and_beat()
+        except psycopg.Error as e:
+            self.log.warning("heartbeat failed: %s", db.redact(str(e).strip(), self.dsn))
+            self._hb_conn = None
+        except Exception:
+            self.log.exception("heartbeat error")
+
+    _hb_conn: db.Conn | None = None
+
+    def _heartbeat_conn(self) -> db.Conn:
+        if self._hb_conn is None or self._hb_conn.closed or self._hb_conn.broken:
+            self._hb_conn = db.connect(self.dsn, application_name=self.config.application_name)
+        return self._hb_conn
+
+    def _flush_and_beat(self, final: bool = False) -> None:
+        conn = self._heartbeat_conn()
+        now = self.clock.now()
+        in_flight = list(self._in_flight.values())
+        if in_flight:
+            with conn.transaction():
+                rows = conn.execute(
+                    queries["heartbeat_jobs"],
+                    {"now": now, "worker": self.id, "ids": [ex.job["id"] for ex in in_flight]},
+                ).fetchall()
+            held = {r["id"]: r for r in rows}
+            for ex in in_flight:
+                r = held.get(ex.job["id"])
+                if r is None or r["attempts"] != ex.job["attempts"]:
+                    ex.ctx.cancel("lease_lost")
+                elif r["cancel_requested"]:
+                    ex.ctx.cancel("killed")
+                elif ex.lock is not None:
+                    self.locks.extend(conn, ex.lock[0], ex.lock[1], lease_seconds(ex.job["visibility_timeout_seconds"]))
+        with conn.transaction():
+            if final:
+                conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})
+            else:
+                conn.execute(
+                    queries["worker_upsert"],
+                    {
+                        "now": now,
+                        "id": self.id,
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                        "queues": list(self.config.queues) if self.config.queues else None,
+                        "tasks": self.registry.job_types(),
+                        "concurrency": self.config.concurrency,
+                        "in_flight": len(in_flight),
+                    },
+                )
+        self.metrics.flush(conn)
+        if not final and time.monotonic() - self._last_housekeeping > self.config.housekeeping_interval:
+            self._last_housekeeping = time.monotonic()
+            self.housekeeping(conn)
+
+    def housekeeping(self, conn: db.Conn) -> bool:
+        """Prune expired idempotency records and resource leases, if this worker wins the lock."""
+        now = self.clock.now()
+        with conn.transaction():
+            won = conn.execute(queries["try_housekeeping_lock"], {"key": HOUSEKEEPING_LOCK}).fetchone()
+            if not won or not won["won"]:
+                return False
+            conn.execute(queries["prune_processed_keys"], {"now": now})
+            conn.execute(queries["prune_resource_locks"], {"now": now})
+            conn.execute(queries["workers_prune"], {"before": now - dt.timedelta(days=1)})
+        return True
+
+    # ------------------------------------------------------------------ executing
+
+    def _slot_main(self, index: int) -> None:
+        slot = Slot(self, index)
+        while True:
+            ex = self._jobs.get()
+            if ex is None:
+                break
+            try:
+                slot.execute(ex)
+            except BaseException:
+                # nothing a job does may take the slot down; the lease heals whatever was left
+                self.log.exception("unexpected error around a job", extra=job_fields(ex.job))
+                slot.reset()
+            finally:
+                self._done(ex)
+        slot.close()
+
+
+class Slot:
+    """One unit of concurrency: a connection (and, lazily, an event loop and async connection)."""
+
+    def __init__(self, worker: Worker, index: int) -> None:
+        self.w = worker
+        self.index = index
+        self._conn: db.Conn | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aconn: db.AsyncConn | None = None
+
+    # connections -----------------------------------------------------------------
+
+    @property
+    def conn(self) -> db.Conn:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = db.connect(self.w.dsn, application_name=self.w.config.application_name)
+        return self._conn
+
+    def reset(self) -> None:
+        """Drop the connections: a handler may still hold them (abandoned), or they broke."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.cancel_safe(timeout=1)
+            conn.close()
+        aconn, self._aconn = self._aconn, None
+        if aconn is not None and self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(BaseException):
+                self._loop.run_until_complete(asyncio.wait_for(aconn.close(), 2))
+        self._loop = None
+
+    def close(self) -> None:
+        self.reset()
+
+    def _rollback(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            try:
+                self._conn.rollback()
+            except psycopg.Error:
+                self.reset()
+
+    # the job -------------------------------------------------------------------
+
+    def execute(self, ex: Execution) -> None:
+        w, job, ctx = self.w, ex.job, ex.ctx
+        task = w.registry.get(job["job_type"])
+        now = w.clock.now()
+        w.metrics.add(job["queue"], job["job_type"], "started")
+        w.metrics.add(
+            job["queue"],
+            job["job_type"],
+            "latency_ms_sum",
+            max(0.0, (now - job["scheduled_at"]).total_seconds() * 1000),
+        )
+        if task is None:  # the claim filters on registered types; only a changed registry gets here
+            self.settle_failure(ex, PermanentError(f"no handler for job type {job['job_type']!r}"))
+            return
+        if job["lock_key"]:
+            token = new_token()
+            ttl = lease_seconds(job["visibility_timeout_seconds"])
+            try:
+                got = w.locks.acquire(self.conn, job["lock_key"], token, ttl, job["id"])
+            except Exception as e:
+                ctx.logger.warning("lock backend failed: %s", e)
+                got = False
+            if not got:
+                w.metrics.add(job["queue"], job["job_type"], "lock_contention")
+                delay = w.config.lock_contention_delay * random.uniform(0.8, 1.5)
+                ctx.logger.info("lock contention on %s: rescheduled in %.1fs", job["lock_key"], delay)
+                self.release(ex, delay)
+                return
+            ex.lock = (job["lock_key"], token)
+        t0 = time.monotonic()
+        try:
+            if task.is_async:
+                self._run_async(ex, task)
+            else:
+                self._run_sync(ex, task)
+        except HandlerFailure as f:
+            self._rollback()
+            self._after_failure(ex, f.exc)
+        except LeaseLost:
+            self._rollback()
+            ctx.logger.warning("lease lost to another worker: rolled back, not settled")
+        except psycopg.Error as e:
+            # our own statements failed (database outage): the effect did not commit; give the job back
+            self.reset()
+            ctx.logger.warning("database error around the job: %s", db.redact(str(e).strip(), w.dsn))
+            self.release(ex, 0.0)
+        finally:
+            w.metrics.add(job["queue"], job["job_type"], "duration_ms_sum", (time.monotonic() - t0) * 1000)
+            if ex.lock is not None:
+                try:
+                    w.locks.release(self.conn, *ex.lock)
+                except Exception as e:
+                    ctx.logger.warning("could not release lock %s: %s (it expires by itself)", ex.lock[0], e)
+
+    def _fence(self, ex: Execution) -> dict[str, Any]:
+        return {
+            "id": ex.job["id"],
+            "attempt": ex.job["attempts"],
+            "worker": self.w.id,
+            "now": self.w.clock.now(),
+        }
+
+    def _idempotency_params(self, ex: Execution) -> dict[str, Any]:
+        return {
+            "key": ex.job["idempotency_key"],
+            "job_id": ex.job["id"],
+            "job_type": ex.job["job_type"],
+            "now": self.w.clock.now(),
+            "retention_seconds": self.w.config.idempotency_retention_seconds,
+        }
+
+    def _succeeded(self, ex: Execution, idempotency_hit: bool) -> None:
+        job = ex.job
+        self.w.metrics.add(job["queue"], job["job_type"], "idempotency_hits" if idempotency_hit else "succeeded")
+        if idempotency_hit:
+            self.w.metrics.add(job["queue"], job["job_type"], "succeeded")
+            ex.ctx.logger.info("idempotency key already processed: settled without running the handler")
+        else:
+            ex.ctx.logger.debug("succeeded")
+
+    def _run_sync(self, ex: Execution, task: Task) -> None:
+        conn = self.conn
+        job = ex.job
+        if job["idempotency_key"]:
+            # blocks while another job holding the same key is in its transaction: one effect, ever
+            if conn.execute(queries["record_processed_key"], self._idempotency_params(ex)).fetchone() is None:
+                if conn.execute(queries["settle_succeeded"], self._fence(ex)).fetchone() is None:
+                    raise LeaseLost()
+                conn.commit()
+                self._succeeded(ex, idempotency_hit=True)
+                return
+        ex.ctx.tx = conn
+        self._call_sync(ex, task)
+        if conn.execute(queries["settle_succeeded"], self._fence(ex)).fetchone() is None:
+            raise LeaseLost()
+        conn.commit()
+        self._succeeded(ex, idempotency_hit=False)
+
+    def _call_sync(self, ex: Execution, task: Task) -> None:
+        ctx, job = ex.ctx, ex.job
+        outcome: dict[str, BaseException] = {}
+
+        def target() -> None:
+            try:
+                task.fn(ctx, job["payload"])
+            except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError... all belong to the job
+                outcome["error"] = e
+
+        t = threading.Thread(target=target, name=f"job-{job['id']}", daemon=True)
+        t.start()
+        deadline = time.monotonic() + job["timeout_seconds"]
+        while True:
+            t.join(min(0.05, max(0.0, deadline - time.monotonic())))
+            if not t.is_alive():
+                break
+            if time.monotonic() >= deadline:
+                ctx.cancel("timeout")
+            if ctx.cancelled:
+                t.join(self.w.config.cancel_grace)
+                if t.is_alive():
+                    # the handler ignores ctx.cancelled: abandon it, and take its connection away so that
+                    # nothing it still writes can ever commit
+                    self.w.zombies += 1
+                    ctx.logger.error("handler did not stop after %s; abandoned", ctx.cancel_reason)
+                    self.reset()
+                break
+        if "error" in outcome:
+            raise HandlerFailure(outcome["error"])
+        if ctx.cancelled:
+            raise HandlerFailure(self._cancel_exc(ex))
+
+    def _cancel_exc(self, ex: Execution) -> BaseException:
+        reason = ex.ctx.cancel_reason or "cancelled"
+        if reason == "timeout":
+            return JobTimeout(f"handler ran past its timeout of {ex.job['timeout_seconds']:g}s")
+        return Cancelled(reason)
+
+    # async handlers -------------------------------------------------------------------
+
+    def _run_async(self, ex: Execution, task: Task) -> None:
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        try:
+            self._loop.run_until_complete(self._async_job(ex, task))
+        except (HandlerFailure, LeaseLost, psycopg.Error):
+            raise
+        except BaseException as e:  # a SystemExit escaping a task surfaces here
+            self._loop = None
+            self._aconn = None
+            raise HandlerFailure(e) from None
+
+    async def _async_job(self, ex: Execution, task: Task) -> None:
+        if self._aconn is None or self._aconn.closed or self._aconn.broken:
+            self._aconn = await db.aconnect(self.w.dsn, application_name=self.w.config.application_name)
+        aconn = self._aconn
+        job, ctx = ex.job, ex.ctx
+        try:
+            if job["idempotency_key"]:
+                cur = await aconn.execute(queries["record_processed_key"], self._idempotency_params(ex))
+                if await cur.fetchone() is None:
+                    cur = await aconn.execute(queries["settle_succeeded"], self._fence(ex))
+                    if await cur.fetchone() is None:
+                        raise LeaseLost()
+                    await aconn.commit()
+                    self._succeeded(ex, idempotency_hit=True)
+                    return
+            ctx.tx = aconn
+            handler = asyncio.ensure_future(task.fn(ctx, job["payload"]))
+            deadline = time.monotonic() + job["timeout_seconds"]
+            while not handler.done():
+                await asyncio.wait({handler}, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+                if handler.done():
+                    break
+                if time.monotonic() >= deadline:
+                    ctx.cancel("timeout")
+                if ctx.cancelled:
+                    handler.cancel()
+                    await asyncio.wait({handler}, timeout=self.w.config.cancel_grace)
+                    break
+            if ctx.cancelled:
+                raise HandlerFailure(self._cancel_exc(ex))
+            if not handler.cancelled() and handler.exception() is not None:
+                raise HandlerFailure(handler.exception())
+            cur = await aconn.execute(queries["settle_succeeded"], self._fence(ex))
+            if await cur.fetchone() is None:
+                raise LeaseLost()
+            await aconn.commit()
+            self._succeeded(ex, idempotency_hit=False)
+        except BaseException:
+            if not aconn.closed:
+                try:
+                    await aconn.rollback()
+                except psycopg.Error:
+                    await aconn.close()
+            raise
+
+    # settling failures -------------------------------------------------------------------
+
+    def _after_failure(self, ex: Execution, exc: BaseException) -> None:
+        if isinstance(exc, Cancelled):
+            if exc.reason == "lease_lost":
+                ex.ctx.logger.warning("lease lost while running: rolled back, not settled")
+                return
+            if exc.reason == "shutdown":
+                ex.ctx.logger.info("worker shutting down: job released")
+                self.release(ex, 0.0)
+                return
+        self.settle_failure(ex, exc)
+
+    def settle_failure(self, ex: Execution, exc: BaseException) -> str | None:
+        w, job, ctx = self.w, ex.job, ex.ctx
+        now = w.clock.now()
+        attempt, max_attempts = job["attempts"], job["max_attempts"]
+        kind = "cancelled" if isinstance(exc, Cancelled) else classify(exc)
+        scheduled_at = None
+        if kind == "cancelled":
+            state = "cancelled"
+        elif kind == "permanent":
+            state = "failed"
+        elif attempt >= max_attempts:
+            state = "dead_lettered"
+        else:
+            state = "retry_scheduled"
+            retry_in = getattr(exc, "retry_in", None)
+            delay = retry_in if retry_in is not None else RetryPolicy.from_json(job["retry_policy"]).delay(attempt)
+            scheduled_at = now + dt.timedelta(seconds=delay)
+        cls = type(exc).__name__
+        message = str(exc).strip() or repr(exc)
+        message = message[:MAX_ERROR_MESSAGE]
+        error = {
+            "attempt": attempt,
+            "kind": kind,
+            "class": cls,
+            "message": message,
+            "worker": w.id,
+            "at": now.isoformat(),
+        }
+        params = {
+            **self._fence(ex),
+            "state": state,
+            "scheduled_at": scheduled_at,
+            "error": Jsonb(error),
+            "last_error": f"{cls}: {message}",
+            "fingerprint": fingerprint(cls, message),
+        }
+        if not self._write(queries["settle_error"], params, ex):
+            return None
+        q, jt = job["queue"], job["job_type"]
+        if kind == "timeout":
+            w.metrics.add(q, jt, "timeouts")
+        if kind == "unknown":
+            w.metrics.add(q, jt, "anomalies")
+        w.metrics.add(q, jt, {"retry_scheduled": "retried", "cancelled": "cancelled"}.get(state, state))
+        log = ctx.logger.warning if state == "retry_scheduled" else ctx.logger.error
+        log("%s (%s error): %s: %s", state, kind, cls, message, extra={"next_run_at": scheduled_at})
+        return state
+
+    def release(self, ex: Execution, delay: float) -> None:
+        params = {**self._fence(ex), "scheduled_at": self.w.clock.now() + dt.timedelta(seconds=delay)}
+        self._write(queries["release_job"], params, ex)
+
+    def _write(self, query: str, params: dict[str, Any], ex: Execution) -> bool:
+        """A fenced settlement, retried through a database outage until the job's lease would have run out
+        (after that another worker owns the job and the fence would refuse us anyway)."""
+        deadline = time.monotonic() + ex.job["visibility_timeout_seconds"]
+        backoff = 0.1
+        while True:
+            try:
+                with self.conn.transaction():
+                    row = self.conn.execute(query, params).fetchone()
+                if row is None:
+                    ex.ctx.logger.warning("job no longer held by this worker: not settled")
+                return row is not None
+            except psycopg.Error as e:
+                self.reset()
+                if time.monotonic() + backoff > deadline or not _is_db_error(e):
+                    ex.ctx.logger.error("could not settle the job: %s", db.redact(str(e).strip(), self.w.dsn))
+                    return False
+                time.sleep(backoff * random.uniform(0.8, 1.2))
+                backoff = min(backoff * 2, 5.0)
+
+
+def run_worker(config: WorkerConfig, registry: Registry | None = None) -> int:
+    """Entry point for one worker process (used by the CLI and the supervisor's children)."""
+    return Worker(config, registry).run()
