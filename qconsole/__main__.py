@@ -1,0 +1,3 @@
+from qconsole.cli import main
+
+main()

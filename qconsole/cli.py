@@ -1,0 +1,385 @@
+"""The ``qconsole`` command: the console (no subcommand), and every operation as a subcommand.
+
+Parsing only: each command calls one worker_core function and prints its result (qconsole.output).
+Exit codes: 0 ok, 1 not found or operation refused, 2 bad input (nothing written), 3 database unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import psycopg
+import typer
+
+from qconsole import output
+from worker_core import db, ops, stats
+from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
+from worker_core.migrate import migrate as run_migrations
+from worker_core.migrate import pending_migrations
+from worker_core.models import JobState
+
+app = typer.Typer(
+    name="qconsole",
+    help="A PostgreSQL job queue with autonomous workers, and its incident console.",
+    no_args_is_help=False,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+T = TypeVar("T")
+
+DsnOpt = Annotated[
+    str | None,
+    typer.Option("--dsn", help="PostgreSQL DSN (else $QCONSOLE_DSN, $DATABASE_URL, else the embedded server)."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+ReasonOpt = Annotated[str | None, typer.Option("--reason", help="Why: recorded in the audit log.")]
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def connect(dsn: str | None, *, read_only: bool = False, autocommit: bool = True) -> Iterator[db.Conn]:
+    """A connection with a clear error when the database is unreachable or not migrated."""
+    configured = db.configured_dsn(dsn)
+    try:
+        target = db.resolve_dsn(configured)
+    except RuntimeError as e:
+        fail(str(e), 3)
+    try:
+        conn = db.connect(target, application_name="qconsole-cli", autocommit=autocommit, read_only=read_only)
+    except psycopg.OperationalError as e:
+        fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
+    try:
+        pending = pending_migrations(conn)
+        if pending:
+            if configured is None and not read_only:
+                # the embedded server is ours: bring its schema up to date
+                with db.connect(target, application_name="qconsole-migrate") as mconn:
+                    run_migrations(mconn)
+            else:
+                names = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
+                fail(f"the database needs migrations ({names}): run `qconsole migrate`", 3)
+        yield conn
+    finally:
+        conn.close()
+
+
+def guarded(fn: Callable[[], T]) -> T:
+    """Turn the library's errors into clear messages and exit codes."""
+    try:
+        return fn()
+    except EnvelopeError as e:
+        lines = "\n".join(f"  - {p}" for p in e.problems)
+        fail(f"invalid job envelope, nothing was written:\n{lines}", 2)
+    except (ValueError, typer.BadParameter) as e:
+        fail(str(e), 2)
+    except NotFound as e:
+        fail(str(e), 1)
+    except ReadOnlyError as e:
+        fail(str(e), 1)
+    except psycopg.OperationalError as e:
+        fail(f"database error: {e}".strip(), 3)
+
+
+def parse_json_object(text: str, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        fail(f"{what} is not valid JSON: {e}", 2)
+    if not isinstance(value, dict):
+        fail(f"{what} must be a JSON object, not {type(value).__name__}", 2)
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ console
+
+
+@app.callback(invoke_without_command=True)
+def console(
+    ctx: typer.Context,
+    dsn: DsnOpt = None,
+    read_only: Annotated[
+        bool, typer.Option("--read-only", help="Refuse every action.")
+    ] = False,
+    refresh: Annotated[float, typer.Option("--refresh", min=0.2, help="Seconds between refreshes.")] = 2.0,
+    theme: Annotated[str | None, typer.Option("--theme", help="Textual theme, e.g. textual-dark.")] = None,
+) -> None:
+    """Open the incident console (with no subcommand)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from qconsole.app import run_console
+
+    raise typer.Exit(run_console(dsn, read_only, refresh, theme))
+
+
+@app.command()
+def demo(
+    refresh: Annotated[float, typer.Option("--refresh", min=0.2)] = 1.0,
+    workers: Annotated[int, typer.Option("--workers", min=0, help="Embedded workers to start.")] = 2,
+) -> None:
+    """The console over the embedded PostgreSQL, with workers and a live demo workload."""
+    from qconsole.demo import run_demo
+
+    raise typer.Exit(run_demo(refresh, workers))
+
+
+# ------------------------------------------------------------------------------------------------ schema
+
+
+@app.command()
+def migrate(dsn: DsnOpt = None) -> None:
+    """Apply the migrations that are missing (under an advisory lock); a second run changes nothing."""
+    target = db.resolve_dsn(dsn)
+    try:
+        with db.connect(target, application_name="qconsole-migrate") as conn:
+            applied = run_migrations(conn)
+    except psycopg.OperationalError as e:
+        fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
+    if applied:
+        for m in applied:
+            typer.echo(f"applied {m.version:04d}_{m.name}")
+    else:
+        typer.echo("up to date")
+
+
+# ------------------------------------------------------------------------------------------------ producing
+
+
+@app.command()
+def enqueue(
+    job_type: Annotated[str, typer.Argument(help="e.g. invoice.generate")],
+    payload: Annotated[str, typer.Option("--payload", help="A JSON object.")] = "{}",
+    queue: Annotated[str | None, typer.Option("--queue")] = None,
+    idempotency_key: Annotated[str | None, typer.Option("--idempotency-key")] = None,
+    dedup_key: Annotated[str | None, typer.Option("--dedup-key")] = None,
+    lock_key: Annotated[str | None, typer.Option("--lock-key")] = None,
+    priority: Annotated[int | None, typer.Option("--priority", help="Lower runs first.")] = None,
+    delay: Annotated[float | None, typer.Option("--delay", help="Seconds before it may run.")] = None,
+    max_attempts: Annotated[int | None, typer.Option("--max-attempts")] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Execution timeout, seconds.")] = None,
+    visibility_timeout: Annotated[float | None, typer.Option("--visibility-timeout", help="Lease, seconds.")] = None,
+    retry_policy: Annotated[str | None, typer.Option("--retry-policy", help="JSON: backoff, base_seconds...")] = None,
+    tenant: Annotated[str | None, typer.Option("--tenant")] = None,
+    trace_id: Annotated[str | None, typer.Option("--trace-id")] = None,
+    tasks: Annotated[str | None, typer.Option("--tasks", help="Modules whose @task defaults apply.")] = None,
+    dsn: DsnOpt = None,
+) -> None:
+    """Enqueue one job; prints its id, or `duplicate of <id>` when a live job holds the dedup key."""
+    from worker_core.producer import enqueue as enqueue_job
+    from worker_core.registry import import_task_modules
+
+    body = parse_json_object(payload, "--payload")
+    given = {
+        "queue": queue,
+        "idempotency_key": idempotency_key,
+        "dedup_key": dedup_key,
+        "lock_key": lock_key,
+        "priority": priority,
+        "delay_seconds": delay,
+        "max_attempts": max_attempts,
+        "timeout_seconds": timeout,
+        "visibility_timeout_seconds": visibility_timeout,
+        "retry_policy": parse_json_object(retry_policy, "--retry-policy") if retry_policy else None,
+        "tenant_id": tenant,
+        "trace_id": trace_id,
+    }
+    envelope: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    if tasks:
+        import_task_modules(tasks.split(","))
+    # validate before touching the database: a bad envelope needs no connection to be refused
+    from worker_core.producer import prepare
+
+    guarded(lambda: prepare(job_type, body, envelope))
+    with connect(dsn) as conn:
+        result = guarded(lambda: enqueue_job(conn, job_type, body, **envelope))
+    typer.echo(str(result.id) if result.created else f"duplicate of {result.id}")
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+@app.command()
+def worker(
+    tasks: Annotated[str, typer.Option("--tasks", help="MODULE[,MODULE]: modules with @task handlers.")],
+    queue: Annotated[list[str] | None, typer.Option("--queue", help="Queue to work (repeat); default: all.")] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, max=512)] = 4,
+    processes: Annotated[int, typer.Option("--processes", min=1, max=128)] = 1,
+    burst: Annotated[bool, typer.Option("--burst", help="Exit once nothing is ready or running.")] = False,
+    lock_backend: Annotated[
+        str | None, typer.Option("--lock-backend", help="postgres (default) or redis://host:port/db")
+    ] = None,
+    shutdown_grace: Annotated[float, typer.Option("--shutdown-grace", min=0)] = 10.0,
+    poll_interval: Annotated[float, typer.Option("--poll-interval", min=0.05)] = 1.0,
+    heartbeat: Annotated[float, typer.Option("--heartbeat", min=0.1, help="Heartbeat interval, seconds.")] = 2.0,
+    log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
+    log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
+    dsn: DsnOpt = None,
+) -> None:
+    """Run a worker: claim, execute, retry, dead-letter and heal, agreeing with others only through rows."""
+    from worker_core.logs import setup_logging
+    from worker_core.registry import import_task_modules
+    from worker_core.supervisor import run_supervised
+    from worker_core.worker import WorkerConfig, run_worker
+
+    if log_format not in ("text", "json"):
+        fail("--log-format must be text or json", 2)
+    setup_logging(log_format, log_level)
+    modules = tuple(m.strip() for m in tasks.split(",") if m.strip())
+    try:
+        import_task_modules(modules)
+    except ImportError as e:
+        fail(f"cannot import task module: {e}", 2)
+    with connect(dsn):
+        pass  # reachable and migrated before any process starts
+    config = WorkerConfig(
+        dsn=db.configured_dsn(dsn),
+        task_modules=modules,
+        queues=tuple(queue) if queue else None,
+        concurrency=concurrency,
+        burst=burst,
+        lock_backend=lock_backend,
+        shutdown_grace=shutdown_grace,
+        poll_interval=poll_interval,
+        heartbeat_interval=heartbeat,
+    )
+    try:
+        code = run_supervised(config, processes, log_format) if processes > 1 else run_worker(config)
+    except ValueError as e:
+        fail(str(e), 2)
+    raise typer.Exit(code)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+@app.command()
+def jobs(
+    state: Annotated[str | None, typer.Option("--state", help="|".join(s.value for s in JobState))] = None,
+    job_type: Annotated[str | None, typer.Option("--type")] = None,
+    queue: Annotated[str | None, typer.Option("--queue")] = None,
+    search: Annotated[
+        str | None, typer.Option("--search", help="Id prefix, key or error text.")
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, max=10000)] = 50,
+    as_json: JsonOpt = False,
+    dsn: DsnOpt = None,
+) -> None:
+    """List jobs by state, type and queue."""
+    if state is not None and state not in {s.value for s in JobState}:
+        fail(f"unknown state {state!r}: one of {', '.join(s.value for s in JobState)}", 2)
+    with connect(dsn, read_only=True) as conn:
+        rows = guarded(
+            lambda: stats.list_jobs(conn, state=state, job_type=job_type, queue=queue, search=search, limit=limit)
+        )
+    output.jobs(rows, as_json)
+
+
+@app.command()
+def job(job_id: Annotated[str, typer.Argument()], as_json: JsonOpt = False, dsn: DsnOpt = None) -> None:
+    """One job: envelope, payload and every attempt's error."""
+    with connect(dsn, read_only=True) as conn:
+        found = guarded(lambda: stats.get_job(conn, job_id))
+        lock = stats.job_lock(conn, found.id)
+    output.job(found, lock, as_json)
+
+
+@app.command("stats")
+def stats_cmd(as_json: JsonOpt = False, dsn: DsnOpt = None) -> None:
+    """Per queue and job type: counts by state, lag, DLQ rate, lease expirations, retries, throughput."""
+    with connect(dsn, read_only=True) as conn:
+        ov = guarded(lambda: stats.overview(conn))
+    output.overview(ov, as_json)
+
+
+@app.command()
+def workers(as_json: JsonOpt = False, dsn: DsnOpt = None) -> None:
+    """Live workers and their heartbeats."""
+    with connect(dsn, read_only=True) as conn:
+        rows = guarded(lambda: stats.workers(conn))
+    output.workers(rows, as_json)
+
+
+@app.command("dead-letters")
+def dead_letters(
+    job_type: Annotated[str | None, typer.Option("--type")] = None, as_json: JsonOpt = False, dsn: DsnOpt = None
+) -> None:
+    """Dead letters grouped by job type and error fingerprint."""
+    with connect(dsn, read_only=True) as conn:
+        groups = guarded(lambda: stats.dead_letter_groups(conn, job_type=job_type))
+    output.dead_letter_groups(groups, as_json)
+
+
+@app.command()
+def audit(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=10000)] = 50, as_json: JsonOpt = False, dsn: DsnOpt = None
+) -> None:
+    """Operator actions: who, from where, what, why."""
+    with connect(dsn, read_only=True) as conn:
+        rows = guarded(lambda: stats.audit_log(conn, limit))
+    output.audit(rows, as_json)
+
+
+# ------------------------------------------------------------------------------------------------ operating
+
+
+@app.command()
+def requeue(
+    job_ids: Annotated[list[str], typer.Argument(help="Job ids (dead_lettered, failed or cancelled).")],
+    reason: ReasonOpt = None,
+    budget: Annotated[int, typer.Option("--budget", min=1, help="Fresh attempts to give.")] = 1,
+    payload: Annotated[str | None, typer.Option("--payload", help="Replace the payload (a fix): JSON.")] = None,
+    dsn: DsnOpt = None,
+) -> None:
+    """Put jobs back to queued with a fresh budget; the history stays."""
+    new_payload = parse_json_object(payload, "--payload") if payload else None
+    with connect(dsn) as conn:
+        result = guarded(lambda: ops.requeue(conn, job_ids, reason=reason, budget=budget, payload=new_payload))
+    output.action(result)
+
+
+@app.command()
+def kill(
+    job_ids: Annotated[list[str], typer.Argument(help="Job ids (queued, retry_scheduled or running).")],
+    reason: ReasonOpt = None,
+    dsn: DsnOpt = None,
+) -> None:
+    """Cancel jobs; a running one is stopped by its worker within a heartbeat. Never retried."""
+    with connect(dsn) as conn:
+        result = guarded(lambda: ops.kill(conn, job_ids, reason=reason))
+    output.action(result)
+
+
+@app.command()
+def pause(queue: Annotated[str, typer.Argument()], reason: ReasonOpt = None, dsn: DsnOpt = None) -> None:
+    """Workers stop claiming from QUEUE (running jobs finish)."""
+    with connect(dsn) as conn:
+        result = guarded(lambda: ops.pause(conn, queue, reason=reason))
+    output.action(result, queue)
+
+
+@app.command()
+def resume(queue: Annotated[str, typer.Argument()], reason: ReasonOpt = None, dsn: DsnOpt = None) -> None:
+    """Workers claim from QUEUE again."""
+    with connect(dsn) as conn:
+        result = guarded(lambda: ops.resume(conn, queue, reason=reason))
+    output.action(result, queue)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

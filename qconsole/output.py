@@ -1,0 +1,171 @@
+"""How the CLI prints: rich tables for people, ``--json`` for scripts. No data access here."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from worker_core.models import (
+    ActionResult,
+    AuditEntry,
+    DeadLetterGroup,
+    Job,
+    Overview,
+    WorkerInfo,
+    to_jsonable,
+)
+
+#: piped output is for scripts and logs: never squeeze it to 80 columns
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
+
+
+def _json(value: Any) -> None:
+    print(json.dumps(to_jsonable(value), indent=2, sort_keys=False, default=str))
+
+
+def age(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
+
+
+def ts(value: dt.datetime | None) -> str:
+    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+
+
+def jobs(rows: list[Job], as_json: bool) -> None:
+    if as_json:
+        _json(rows)
+        return
+    t = Table("id", "type", "queue", "state", "attempt", "updated", "last error", box=None, pad_edge=False)
+    for j in rows:
+        t.add_row(
+            str(j.id),
+            j.job_type,
+            j.queue,
+            j.state.value,
+            f"{j.attempts}/{j.max_attempts}",
+            ts(j.updated_at),
+            (j.last_error or "")[:60],
+        )
+    console.print(t)
+    console.print(f"{len(rows)} job(s)")
+
+
+def job(j: Job, lock: dict[str, Any] | None, as_json: bool) -> None:
+    if as_json:
+        out = to_jsonable(j)
+        out["lock"] = to_jsonable(lock) if lock else None
+        print(json.dumps(out, indent=2, default=str))
+        return
+    t = Table(box=None, show_header=False, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for name in (
+        "id", "job_type", "queue", "state", "attempts", "max_attempts", "priority", "idempotency_key", "dedup_key",
+        "lock_key", "tenant_id", "trace_id", "timeout_seconds", "visibility_timeout_seconds", "scheduled_at",
+        "locked_by", "locked_until", "lease_expirations", "created_at", "started_at", "finished_at", "updated_at",
+    ):  # fmt: skip
+        value = getattr(j, name)
+        t.add_row(name, ts(value) if isinstance(value, dt.datetime) else ("-" if value is None else str(value)))
+    t.add_row("retry_policy", json.dumps(j.retry_policy))
+    if lock:
+        t.add_row("lock held", f"{lock['lock_key']} until {ts(lock['expires_at'])}")
+    console.print(t)
+    console.print("[bold]payload[/bold]")
+    console.print(json.dumps(j.payload, indent=2, ensure_ascii=False), markup=False)
+    if j.errors:
+        e = Table("attempt", "kind", "class", "message", "worker", "at", box=None, pad_edge=False, title="errors")
+        for err in j.errors:
+            e.add_row(str(err.attempt), err.kind, err.error_class, err.message, err.worker or "-", ts(err.at))
+        console.print(e)
+
+
+def overview(ov: Overview, as_json: bool) -> None:
+    if as_json:
+        _json(
+            {
+                "at": ov.at,
+                "window_minutes": ov.window_minutes,
+                "workers_alive": ov.workers_alive,
+                "queues": ov.queues,
+                "types": [{**to_jsonable(t), "waiting": t.waiting} for t in ov.types],
+            }
+        )
+        return
+    t = Table(
+        "queue", "type", "queued", "running", "retry", "failed", "dead", "lag", "ok/min", "dlq/min", "lease exp/min",
+        "retries", box=None, pad_edge=False, title=f"last {ov.window_minutes} min",
+    )  # fmt: skip
+    for s in ov.types:
+        t.add_row(
+            s.queue + (" (paused)" if s.paused else ""),
+            s.job_type,
+            str(s.queued),
+            str(s.running),
+            str(s.retry_scheduled),
+            str(s.failed),
+            str(s.dead_lettered),
+            age(s.oldest_waiting_seconds),
+            f"{s.throughput_per_min:.1f}",
+            f"{s.dlq_per_min:.2f}",
+            f"{s.lease_expirations_per_min:.2f}",
+            str(s.retries),
+        )
+    console.print(t)
+    paused = [q.name for q in ov.queues if q.paused]
+    console.print(f"workers alive: {ov.workers_alive}" + (f"   paused: {', '.join(paused)}" if paused else ""))
+
+
+def workers(rows: list[WorkerInfo], as_json: bool) -> None:
+    if as_json:
+        _json(rows)
+        return
+    t = Table("id", "host", "pid", "queues", "conc", "in flight", "last heartbeat", "status", box=None, pad_edge=False)
+    for w in rows:
+        status = "stopped" if w.stopped_at else ("LOST" if w.lost else "alive")
+        t.add_row(
+            w.id, w.host, str(w.pid), ",".join(w.queues or ["*"]), str(w.concurrency), str(w.in_flight),
+            ts(w.last_heartbeat_at), status,
+        )  # fmt: skip
+    console.print(t)
+
+
+def dead_letter_groups(groups: list[DeadLetterGroup], as_json: bool) -> None:
+    if as_json:
+        _json(groups)
+        return
+    t = Table("type", "count", "first seen", "last seen", "error", box=None, pad_edge=False)
+    for g in groups:
+        t.add_row(g.job_type, str(g.count), ts(g.first_seen), ts(g.last_seen), g.fingerprint[:70])
+    console.print(t)
+
+
+def audit(rows: list[AuditEntry], as_json: bool) -> None:
+    if as_json:
+        _json(rows)
+        return
+    t = Table("at", "user", "ssh client", "action", "target", "reason", box=None, pad_edge=False)
+    for a in rows:
+        target = a.queue or (f"{len(a.job_ids)} job(s)" if a.job_ids else "-")
+        t.add_row(ts(a.at), a.os_user, a.ssh_client or "-", a.action, target, a.reason or "-")
+    console.print(t)
+
+
+def action(result: ActionResult, queue: str | None = None) -> None:
+    if result.action in ("pause", "resume"):
+        console.print(f"{result.action}d queue {queue} (audit #{result.audit_id})")
+        return
+    console.print(f"{result.action}: {result.count} of {result.requested} job(s) changed (audit #{result.audit_id})")
+    for jid in result.skipped:
+        console.print(f"  skipped {jid}: not in a state that allows {result.action}")
