@@ -239,7 +239,8 @@ def tune_for_tests(uri: str) -> None:
     """Trade durability for speed on a throwaway test cluster started by this process.
 
     ``max_connections`` needs a restart, which drops every connection: call this right after
-    ``start_embedded`` and before other processes attach.
+    ``start_embedded``, before opening connections. Processes that call it concurrently are serialised
+    and only the first restarts the server.
     """
     import psycopg
 
@@ -248,14 +249,14 @@ def tune_for_tests(uri: str) -> None:
         if path is None:
             raise ValueError(f"{uri} was not started by start_embedded() in this process")
         server = _servers[path]
-        with psycopg.connect(uri, autocommit=True) as conn:
-            rows = conn.execute(
-                "SELECT name, setting, context FROM pg_settings WHERE name = ANY(%s)", [list(_TEST_SETTINGS)]
-            ).fetchall()
-            for name, value in _TEST_SETTINGS.items():
-                conn.execute(f"ALTER SYSTEM SET {name} = {value}")  # constants: not injectable
-            conn.execute("SELECT pg_reload_conf()")
-        if any(ctx == "postmaster" and setting != _TEST_SETTINGS[name] for name, setting, ctx in rows):
-            with server._lock:
+        with server._lock:  # serialises concurrent callers (xdist workers): only the first restarts
+            with psycopg.connect(uri, autocommit=True) as conn:
+                rows = conn.execute(
+                    "SELECT name, setting, context FROM pg_settings WHERE name = ANY(%s)", [list(_TEST_SETTINGS)]
+                ).fetchall()
+                for name, value in _TEST_SETTINGS.items():
+                    conn.execute(f"ALTER SYSTEM SET {name} = {value}")  # constants: not injectable
+                conn.execute("SELECT pg_reload_conf()")
+            if any(ctx == "postmaster" and setting != _TEST_SETTINGS[name] for name, setting, ctx in rows):
                 server._stop()
-                server.ensure_postgres_running()  # refreshes the handle's postmaster info
+                server.ensure_postgres_running()  # refreshes this handle's postmaster info

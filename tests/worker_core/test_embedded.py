@@ -48,10 +48,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def spawn(body: str, pgdata: Path, **kwargs: object) -> subprocess.Popen[str]:
+def spawn(body: str, pgdata: Path, *, stdin: int | None = None) -> subprocess.Popen[str]:
     script = PRELUDE + textwrap.dedent(body)
-    return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
-        [sys.executable, "-c", script, str(pgdata)], env=_env(), text=True, **kwargs
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(pgdata)],
+        env=_env(), text=True, stdin=stdin, stdout=subprocess.PIPE,
     )
 
 
@@ -161,7 +162,7 @@ def test_stop_twice_then_restart_in_same_process(pgdata: Path) -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_stops_server(pgdata: Path, procs: list[subprocess.Popen[str]], signum: int) -> None:
-    proc = spawn(START_AND_EXIT + "time.sleep(60)\n", pgdata, stdout=subprocess.PIPE)
+    proc = spawn(START_AND_EXIT + "time.sleep(60)\n", pgdata)
     procs.append(proc)
     assert proc.stdout is not None
     assert proc.stdout.readline().startswith("postgresql://")
@@ -181,7 +182,7 @@ def test_app_signal_handler_is_kept(pgdata: Path, procs: list[subprocess.Popen[s
             time.sleep(0.05)
         print("graceful", flush=True)
         """
-    proc = spawn(body, pgdata, stdout=subprocess.PIPE)
+    proc = spawn(body, pgdata)
     procs.append(proc)
     assert proc.stdout is not None
     assert proc.stdout.readline().startswith("postgresql://")
@@ -233,7 +234,7 @@ def test_dead_handle_pid_is_pruned(pgdata: Path) -> None:
 
 
 def test_orphan_from_sigkill_is_adopted_and_stopped(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
-    proc = spawn(START_AND_EXIT + "time.sleep(60)\n", pgdata, stdout=subprocess.PIPE)
+    proc = spawn(START_AND_EXIT + "time.sleep(60)\n", pgdata)
     procs.append(proc)
     assert proc.stdout is not None
     assert proc.stdout.readline().startswith("postgresql://")
@@ -248,7 +249,7 @@ def test_orphan_from_sigkill_is_adopted_and_stopped(pgdata: Path, procs: list[su
 
 def test_killed_peer_does_not_keep_server_alive(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
     body = START_AND_EXIT + "sys.stdin.readline()\nselect1(uri)\n"
-    first, second = (spawn(body, pgdata, stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2))
+    first, second = (spawn(body, pgdata, stdin=subprocess.PIPE) for _ in range(2))
     procs.extend([first, second])
     for proc in (first, second):
         assert proc.stdout is not None
@@ -318,7 +319,7 @@ def test_stale_postmaster_pid_of_live_process(pgdata: Path) -> None:
 
 def test_two_processes_share_server(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
     body = START_AND_EXIT + "sys.stdin.readline()\nselect1(uri)\nprint('done', flush=True)\n"
-    first, second = (spawn(body, pgdata, stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2))
+    first, second = (spawn(body, pgdata, stdin=subprocess.PIPE) for _ in range(2))
     procs.extend([first, second])
     for proc in (first, second):  # both cold-started the empty dir at once
         assert proc.stdout is not None
@@ -338,7 +339,7 @@ def test_restart_by_another_process_is_still_stopped(
 ) -> None:
     """A handle whose cached postmaster pid died (crash, restart by another process) still stops."""
     body = START_AND_EXIT + "sys.stdin.readline()\nselect1(start_embedded(PGDATA))\n"
-    first = spawn(body, pgdata, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    first = spawn(body, pgdata, stdin=subprocess.PIPE)
     procs.append(first)
     assert first.stdout is not None
     assert first.stdout.readline().startswith("postgresql://")
@@ -408,3 +409,23 @@ def test_tune_for_tests(pgdata: Path) -> None:
         """, pgdata))
     assert out.strip() == "['off', 'off', 'off', '300']"
     assert postmaster(pgdata) is None  # the restarted server is stopped at exit too
+
+
+def test_concurrent_tuners_share_one_restart(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
+    body = """
+        uri = start_embedded(PGDATA)
+        tune_for_tests(uri)
+        select1(uri)
+        print(uri, flush=True)
+        sys.stdin.readline()
+        select1(uri)
+        """
+    workers = [spawn(body, pgdata, stdin=subprocess.PIPE) for _ in range(3)]
+    procs.extend(workers)
+    for proc in workers:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("postgresql://")
+    for proc in workers:
+        proc.communicate("go\n", timeout=TIMEOUT)
+        assert proc.returncode == 0
+    assert postmaster(pgdata) is None
