@@ -220,6 +220,9 @@ def worker(
     shutdown_grace: Annotated[float, typer.Option("--shutdown-grace", min=0)] = 10.0,
     poll_interval: Annotated[float, typer.Option("--poll-interval", min=0.05)] = 1.0,
     heartbeat: Annotated[float, typer.Option("--heartbeat", min=0.1, help="Heartbeat interval, seconds.")] = 2.0,
+    metrics_port: Annotated[
+        int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics (process i: port + i).")
+    ] = None,
     log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
     log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
     dsn: DsnOpt = None,
@@ -250,12 +253,31 @@ def worker(
         shutdown_grace=shutdown_grace,
         poll_interval=poll_interval,
         heartbeat_interval=heartbeat,
+        metrics_port=metrics_port,
     )
     try:
         code = run_supervised(config, processes, log_format) if processes > 1 else run_worker(config)
     except ValueError as e:
         fail(str(e), 2)
     raise typer.Exit(code)
+
+
+@app.command()
+def metrics(
+    port: Annotated[int, typer.Option("--port", help="Port of the fleet-wide Prometheus endpoint.")] = 9464,
+    addr: Annotated[str, typer.Option("--addr")] = "0.0.0.0",
+    dsn: DsnOpt = None,
+) -> None:
+    """Serve fleet-wide gauges read from the database (lag, counts by state, DLQ and lease rates)."""
+    import threading
+
+    from worker_core.prometheus import serve_fleet
+
+    with connect(dsn, read_only=True):
+        pass
+    serve_fleet(db.resolve_dsn(dsn), port, addr)
+    typer.echo(f"serving fleet metrics on http://{addr}:{port}/metrics")
+    threading.Event().wait()
 
 
 # ------------------------------------------------------------------------------------------------ reading

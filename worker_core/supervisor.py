@@ -49,7 +49,8 @@ class Supervisor:
     def _start(self, slot: int) -> None:
         self._generation += 1
         worker_id = f"{socket.gethostname()}:{os.getpid()}:w{slot}.{self._generation}"
-        cfg = dataclasses.replace(self.config, worker_id=worker_id, dsn=self.dsn)
+        port = self.config.metrics_port + slot if self.config.metrics_port else None
+        cfg = dataclasses.replace(self.config, worker_id=worker_id, dsn=self.dsn, metrics_port=port)
         proc = self.ctx.Process(target=_child, args=(cfg, self.log_format), name=f"worker-{slot}", daemon=False)
         proc.start()
         self.children[slot] = (proc, worker_id)
