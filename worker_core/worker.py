@@ -69,6 +69,8 @@ class WorkerConfig:
     housekeeping_interval: float = 60.0
     worker_id: str | None = None
     application_name: str = "qconsole-worker"
+    #: serve this worker's Prometheus counters and histograms on this port
+    metrics_port: int | None = None
 
 
 @dataclass
@@ -154,6 +156,10 @@ class Worker:
     def run(self) -> int:
         """Run until stopped (or, with ``burst``, until nothing is ready or running). Returns an exit code."""
         self._install_signals()
+        if self.config.metrics_port:
+            from worker_core.prometheus import WorkerExporter
+
+            WorkerExporter(self.metrics).serve(self.config.metrics_port)
         self.log.info(
             "worker starting: queues=%s types=%s concurrency=%s",
             ",".join(self.config.queues) if self.config.queues else "*",
