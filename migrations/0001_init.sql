@@ -30,6 +30,10 @@ CREATE TABLE job_queue (
     -- {"attempt", "class", "kind", "message", "worker", "at"}
     errors                      jsonb NOT NULL DEFAULT '[]',
     lease_expirations           integer NOT NULL DEFAULT 0,
+    -- its lease expired while it shared a process with other jobs: it may have killed that process, so
+    -- it runs alone until it settles, and only a lease lost while alone counts it as a poison pill
+    suspect                     boolean NOT NULL DEFAULT false,
+    ran_solo                    boolean NOT NULL DEFAULT false,
     cancel_requested            boolean NOT NULL DEFAULT false,
     created_at                  timestamptz NOT NULL DEFAULT now(),
     started_at                  timestamptz,
@@ -46,6 +50,9 @@ CREATE INDEX job_queue_ready_idx ON job_queue (priority, scheduled_at, id)
 -- Lease expirations: running jobs by lease end.
 CREATE INDEX job_queue_running_idx ON job_queue (locked_until)
     WHERE state = 'running';
+-- Suspects waiting to run alone.
+CREATE INDEX job_queue_suspect_idx ON job_queue (priority, scheduled_at, id)
+    WHERE suspect AND state IN ('queued', 'retry_scheduled');
 -- Dedup: two equivalent live messages are one job.
 CREATE UNIQUE INDEX job_queue_dedup_live_idx ON job_queue (dedup_key)
     WHERE dedup_key IS NOT NULL AND state IN ('queued', 'running', 'retry_scheduled');

@@ -126,6 +126,8 @@ class Worker:
         self._threads: list[threading.Thread] = []
         self._claim_conn: db.Conn | None = None
         self._last_housekeeping = 0.0
+        #: lease-expired jobs or suspects are waiting: drain, then claim one to run alone
+        self._want_solo = True
         self.zombies = 0
         self.claimed_total = 0
 
@@ -222,10 +224,19 @@ class Worker:
         return self._claim_conn
 
     def claim(self, limit: int) -> list[dict[str, Any]]:
-        """Claim up to ``limit`` jobs; returns the rows now ``running`` and held by this worker."""
+        """Claim up to ``limit`` jobs; returns the rows now ``running`` and held by this worker.
+
+        With nothing in flight and solo work waiting, it first claims one job whose lease expired (or a
+        suspect), to run alone: see the ``claim_solo`` query."""
         conn = self._conn_for_claims()
-        with conn.transaction():
-            rows = conn.execute(queries["claim"], self._claim_params(limit)).fetchall()
+        rows: list[dict[str, Any]] = []
+        if not self._in_flight and self._want_solo:
+            with conn.transaction():
+                rows = conn.execute(queries["claim_solo"], self._claim_params(1)).fetchall()
+            self._want_solo = bool(rows)
+        if not rows or all(r["state"] != "running" for r in rows):
+            with conn.transaction():
+                rows += conn.execute(queries["claim"], self._claim_params(limit)).fetchall()
         running = []
         for row in rows:
             if row["reclaimed"]:
@@ -246,11 +257,19 @@ class Worker:
     def _free_slots(self) -> int:
         return self.config.concurrency - len(self._in_flight)
 
+    def _may_claim(self) -> bool:
+        """Not while a job runs alone, nor while draining for one; else when a slot is free."""
+        if any(ex.job["ran_solo"] for ex in self._in_flight.values()):
+            return False
+        if self._want_solo and self._in_flight:
+            return False
+        return self._free_slots() > 0
+
     def _claim_loop(self) -> None:
         backoff = 0.0
         while not self.stopping:
             with self._slot_free:
-                while self._free_slots() <= 0 and not self.stopping:
+                while not self._may_claim() and not self.stopping:
                     self._slot_free.wait(0.5)
             if self.stopping:
                 break
@@ -267,7 +286,7 @@ class Worker:
                 continue
             for row in rows:
                 self._dispatch(row)
-            if len(rows) == limit:
+            if len(rows) == limit or self._want_solo:
                 continue
             if self.config.burst and not self._in_flight and self._burst_done():
                 self.log.info("burst: nothing ready or running, exiting")
@@ -382,6 +401,12 @@ class Worker:
                     },
                 )
         self.metrics.flush(conn)
+        if not final and not self._want_solo:
+            with conn.transaction():
+                row = conn.execute(queries["solo_work_waiting"], self._claim_params(1)).fetchone()
+            if row and row["waiting"]:
+                self._want_solo = True
+                self._wake.set()
         if not final and time.monotonic() - self._last_housekeeping > self.config.housekeeping_interval:
             self._last_housekeeping = time.monotonic()
             self.housekeeping(conn)

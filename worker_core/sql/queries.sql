@@ -41,14 +41,41 @@ SELECT id, dedup_key FROM job_queue
 WHERE dedup_key = ANY(%(keys)s) AND state IN ('queued', 'running', 'retry_scheduled');
 
 ------------------------------------------------------------------------------------------------------
--- The claim. Two lanes, each FOR UPDATE SKIP LOCKED: running jobs whose lease expired (a worker died or
--- froze), then ready jobs in (priority, scheduled_at, id) order. MATERIALIZED so the planner cannot
--- re-run the LIMIT subquery and lock more rows than asked (see Oban's fetch_jobs). An expired job with
--- no attempts left goes to dead_lettered here, without running its payload again (poison pill); an
--- expired job an operator asked to kill goes to cancelled.
+-- The claims. Each lane is FOR UPDATE SKIP LOCKED in (priority, scheduled_at, id) order, MATERIALIZED
+-- so the planner cannot re-run the LIMIT subquery and lock more rows than asked (see Oban's fetch_jobs).
+--
+-- claim: ready jobs, many at once, never suspects.
+-- claim_solo: for a worker with nothing in flight, one job: a running job whose lease expired (its
+--   worker died or froze), or a suspect waiting. It then runs alone, so if it kills its process again
+--   nobody else pays. An expired job that already ran alone and has no attempts left goes to
+--   dead_lettered here without running its payload again (poison pill); one an operator asked to kill
+--   goes to cancelled. An expired job that shared its process gets one more attempt: it may be innocent.
 ------------------------------------------------------------------------------------------------------
 
 -- name: claim
+WITH ready AS MATERIALIZED (
+    SELECT id FROM job_queue
+    WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s AND NOT suspect
+      AND (%(all_queues)s OR queue = ANY(%(queues)s))
+      AND job_type = ANY(%(job_types)s)
+      AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
+    ORDER BY priority, scheduled_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE job_queue j SET
+    state = 'running',
+    attempts = j.attempts + 1,
+    locked_by = %(worker)s,
+    locked_until = %(now)s + make_interval(secs => j.visibility_timeout_seconds),
+    started_at = %(now)s,
+    ran_solo = false,
+    updated_at = %(now)s
+FROM ready r
+WHERE j.id = r.id
+RETURNING j.*, false AS reclaimed;
+
+-- name: claim_solo
 WITH expired AS MATERIALIZED (
     SELECT id FROM job_queue
     WHERE state = 'running' AND locked_until < %(now)s
@@ -56,53 +83,70 @@ WITH expired AS MATERIALIZED (
       AND job_type = ANY(%(job_types)s)
       AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
     ORDER BY locked_until
-    LIMIT %(limit)s
+    LIMIT 1
     FOR UPDATE SKIP LOCKED
-), ready AS MATERIALIZED (
+), suspects AS MATERIALIZED (
     SELECT id FROM job_queue
-    WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s
+    WHERE suspect AND state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
       AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
+      AND NOT EXISTS (SELECT 1 FROM expired)
     ORDER BY priority, scheduled_at, id
-    LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM expired))
+    LIMIT 1
     FOR UPDATE SKIP LOCKED
-), candidates AS (
-    SELECT id, true AS expired FROM expired
-    UNION ALL
-    SELECT id, false AS expired FROM ready
 ), decided AS (
-    SELECT j.id, c.expired,
-           CASE WHEN c.expired AND j.cancel_requested THEN 'cancelled'
-                WHEN c.expired AND j.attempts >= j.max_attempts THEN 'dead_lettered'
+    SELECT j.id, (j.state = 'running') AS expired,
+           CASE WHEN j.state = 'running' AND j.cancel_requested THEN 'cancelled'
+                WHEN j.state = 'running' AND j.ran_solo AND j.attempts >= j.max_attempts THEN 'dead_lettered'
                 ELSE 'running' END AS next_state
-    FROM candidates c JOIN job_queue j ON j.id = c.id
+    FROM job_queue j
+    WHERE j.id IN (SELECT id FROM expired UNION ALL SELECT id FROM suspects)
 )
 UPDATE job_queue j SET
     state = d.next_state,
     attempts = j.attempts + (d.next_state = 'running')::int,
+    -- a lease lost while sharing a process is not proof of guilt: that attempt is given back
+    max_attempts = CASE WHEN d.expired AND NOT j.ran_solo AND d.next_state = 'running'
+                        THEN greatest(j.max_attempts, j.attempts + 1) ELSE j.max_attempts END,
     locked_by = CASE WHEN d.next_state = 'running' THEN %(worker)s ELSE j.locked_by END,
     locked_until = CASE WHEN d.next_state = 'running'
                         THEN %(now)s + make_interval(secs => j.visibility_timeout_seconds) END,
     started_at = CASE WHEN d.next_state = 'running' THEN %(now)s ELSE j.started_at END,
     finished_at = CASE WHEN d.next_state = 'running' THEN NULL ELSE %(now)s END,
     lease_expirations = j.lease_expirations + d.expired::int,
+    suspect = d.next_state = 'running',
+    ran_solo = d.next_state = 'running',
     errors = CASE WHEN d.expired THEN j.errors || jsonb_build_array(jsonb_build_object(
                  'attempt', j.attempts, 'kind', 'lease_expired', 'class', 'LeaseExpired',
-                 'message', 'lease expired: worker ' || coalesce(j.locked_by, '?') || ' died or froze',
+                 'message', 'lease expired: worker ' || coalesce(j.locked_by, '?') || ' died or froze'
+                            || CASE WHEN j.ran_solo THEN ' running this job alone' ELSE '' END,
                  'worker', j.locked_by, 'at', %(now)s))
              ELSE j.errors END,
     last_error = CASE WHEN d.expired
                       THEN 'LeaseExpired: lease expired: worker ' || coalesce(j.locked_by, '?') || ' died or froze'
+                           || CASE WHEN j.ran_solo THEN ' running this job alone' ELSE '' END
                       ELSE j.last_error END,
     error_fingerprint = CASE WHEN d.expired
                              THEN 'LeaseExpired: lease expired: worker <*> died or froze'
+                                  || CASE WHEN j.ran_solo THEN ' running this job alone' ELSE '' END
                              ELSE j.error_fingerprint END,
     cancel_requested = j.cancel_requested AND d.next_state <> 'cancelled',
     updated_at = %(now)s
 FROM decided d
 WHERE j.id = d.id
 RETURNING j.*, d.expired AS reclaimed;
+
+-- name: solo_work_waiting
+SELECT EXISTS (
+    SELECT 1 FROM job_queue
+    WHERE state = 'running' AND locked_until < %(now)s
+      AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
+) OR EXISTS (
+    SELECT 1 FROM job_queue
+    WHERE suspect AND state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s
+      AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
+) AS waiting;
 
 ------------------------------------------------------------------------------------------------------
 -- Running and settling. Every state change from running is fenced: the row must still be running,
@@ -142,6 +186,7 @@ UPDATE job_queue SET
     last_error = %(last_error)s,
     error_fingerprint = %(fingerprint)s,
     cancel_requested = false,
+    suspect = false,
     updated_at = %(now)s
 WHERE id = %(id)s AND state = 'running' AND attempts = %(attempt)s AND locked_by = %(worker)s
 RETURNING id;
@@ -380,3 +425,21 @@ RETURNING id;
 
 -- name: notify_queue
 SELECT pg_notify('worker_core_jobs', %(queue)s);
+
+------------------------------------------------------------------------------------------------------
+-- Console charts (stats.py): queue latency per minute from the rollups, and how many attempts the
+-- jobs that finished in a window took (the partial index on finished jobs bounds the scan).
+------------------------------------------------------------------------------------------------------
+
+-- name: stats_latency_series
+SELECT minute, queue, job_type, started, latency_ms_sum
+FROM job_metrics_minute
+WHERE minute >= %(since)s AND started > 0
+ORDER BY minute;
+
+-- name: stats_attempts_distribution
+SELECT job_type, attempts, count(*) AS n
+FROM job_queue
+WHERE state IN ('succeeded', 'failed', 'dead_lettered', 'cancelled') AND finished_at >= %(since)s
+GROUP BY job_type, attempts
+ORDER BY job_type, attempts;
