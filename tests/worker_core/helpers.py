@@ -1,0 +1,163 @@
+"""Helpers for worker tests: bounded polling and real Workers run in threads (never fixed sleeps)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from worker_core import db
+from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.worker import Worker, WorkerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ("tests.worker_core.tasks",)
+T = TypeVar("T")
+
+
+def wait_for(cond: Callable[[], T], timeout: float = 15.0, interval: float = 0.02, what: str = "condition") -> T:
+    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def config(dsn: str, **overrides: Any) -> WorkerConfig:
+    """A fast burst worker over the test handlers; any WorkerConfig field may be overridden."""
+    base: dict[str, Any] = {
+        "dsn": dsn,
+        "task_modules": TASKS,
+        "burst": True,
+        "poll_interval": 0.1,
+        "concurrency": 4,
+        "heartbeat_interval": 0.5,
+        "lock_contention_delay": 0.05,
+    }
+    base.update(overrides)
+    return WorkerConfig(**base)
+
+
+class WorkerThread:
+    """A real Worker whose ``run()`` happens in a thread of the test process."""
+
+    def __init__(self, dsn: str, clock: Clock = SYSTEM_CLOCK, **overrides: Any) -> None:
+        self.worker = Worker(config(dsn, **overrides), clock=clock)
+        self.result: int | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, name=f"test-worker-{self.worker.id}", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            self.result = self.worker.run()
+        except BaseException as e:  # surfaced by join()
+            self.error = e
+
+    def start(self) -> WorkerThread:
+        self.thread.start()
+        return self
+
+    def join(self, timeout: float) -> int:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.worker.stop()
+            self.thread.join(30)
+            raise AssertionError(f"worker did not finish within {timeout}s")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.worker.stop()
+        return self.join(timeout)
+
+
+def run_burst(dsn: str, timeout: float = 60.0, clock: Clock = SYSTEM_CLOCK, **overrides: Any) -> Worker:
+    """Run a burst worker until nothing is ready or running (bounded); return it for its counters."""
+    wt = WorkerThread(dsn, clock=clock, **overrides).start()
+    assert wt.join(timeout) == 0
+    return wt.worker
+
+
+@contextmanager
+def running_worker(dsn: str, clock: Clock = SYSTEM_CLOCK, **overrides: Any) -> Iterator[Worker]:
+    """A non-burst worker running for the duration of the block, then stopped gracefully."""
+    overrides.setdefault("burst", False)
+    wt = WorkerThread(dsn, clock=clock, **overrides).start()
+    try:
+        yield wt.worker
+    finally:
+        wt.stop()
+
+
+def run_worker_until(dsn: str, predicate: Callable[[], Any], timeout: float = 30.0, **overrides: Any) -> Worker:
+    """Run a (non-burst) worker until ``predicate()`` is true, then stop it."""
+    with running_worker(dsn, **overrides) as w:
+        wait_for(predicate, timeout, what=getattr(predicate, "__name__", "predicate"))
+    return w
+
+
+def job(dsn: str, job_id: uuid.UUID) -> dict[str, Any]:
+    """The job's row, read on a fresh connection."""
+    with db.connect(dsn, autocommit=True) as c:
+        row = c.execute("SELECT * FROM job_queue WHERE id = %s", (job_id,)).fetchone()
+    assert row is not None, f"no job {job_id}"
+    return row
+
+
+def state(dsn: str, job_id: uuid.UUID) -> str:
+    return str(job(dsn, job_id)["state"])
+
+
+def scalar(dsn: str, query: str, params: Any = None) -> Any:
+    with db.connect(dsn, autocommit=True) as c:
+        row = c.execute(query, params).fetchone()
+    assert row is not None
+    return next(iter(row.values()))
+
+
+def ledger(dsn: str) -> list[dict[str, Any]]:
+    with db.connect(dsn, autocommit=True) as c:
+        return c.execute("SELECT job_id, item, attempt FROM ledger ORDER BY id").fetchall()
+
+
+def metric(dsn: str, name: str, job_type: str | None = None) -> int:
+    """The sum of one per-minute counter (what workers flushed), optionally for one job type."""
+    with db.connect(dsn, autocommit=True) as c:
+        row = c.execute(
+            f"SELECT coalesce(sum({name}), 0) AS n FROM job_metrics_minute"  # noqa: S608 - a counter column
+            " WHERE %(jt)s::text IS NULL OR job_type = %(jt)s",
+            {"jt": job_type},
+        ).fetchone()
+    assert row is not None
+    return int(row["n"])
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    for var in ("QCONSOLE_DSN", "DATABASE_URL"):
+        env.pop(var, None)
+    return env
+
+
+def spawn_python(code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=str(ROOT),
+        env=subprocess_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )

@@ -1,0 +1,208 @@
+"""Migrations: from zero, again (nothing changes), refused when an applied file changed, safe when two
+processes migrate at once, and shipped inside the wheel."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.worker_core.helpers import ROOT, subprocess_env
+from worker_core import db
+from worker_core.migrate import load_migrations, migrate, migrations_dir, pending_migrations
+
+REPO_MIGRATIONS = ROOT / "migrations"
+
+JOB_QUEUE_COLUMNS = {
+    "id", "job_type", "queue", "payload", "state", "priority", "attempts", "max_attempts", "scheduled_at",
+    "locked_until", "locked_by", "idempotency_key", "dedup_key", "lock_key", "timeout_seconds",
+    "visibility_timeout_seconds", "retry_policy", "tenant_id", "trace_id", "last_error", "errors",
+    "created_at", "started_at", "finished_at", "updated_at",
+}  # fmt: skip
+STATES = ("queued", "running", "retry_scheduled", "succeeded", "failed", "dead_lettered", "cancelled")
+
+
+def schema_dump(conn: db.Conn) -> dict[str, list[Any]]:
+    """Everything a migration could change: columns, indexes, constraints, triggers, functions, the record."""
+    q = {
+        "columns": """SELECT table_name, column_name, data_type, column_default, is_nullable
+                      FROM information_schema.columns WHERE table_schema = 'public' ORDER BY 1, 2""",
+        "indexes": "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public' ORDER BY 1",
+        "constraints": """SELECT conrelid::regclass::text AS tbl, conname, pg_get_constraintdef(oid) AS def
+                          FROM pg_constraint WHERE connamespace = 'public'::regnamespace ORDER BY 1, 2""",
+        "triggers": "SELECT tgname, pg_get_triggerdef(oid) AS def FROM pg_trigger WHERE NOT tgisinternal ORDER BY 1",
+        "functions": """SELECT proname, md5(prosrc) AS src FROM pg_proc
+                        WHERE pronamespace = 'public'::regnamespace ORDER BY 1""",
+        "comments": """SELECT c.relname, d.description FROM pg_description d JOIN pg_class c ON c.oid = d.objoid
+                       WHERE c.relnamespace = 'public'::regnamespace ORDER BY 1, 2""",
+        "record": "SELECT version, name, checksum, applied_at FROM worker_core_migrations ORDER BY version",
+    }
+    return {name: conn.execute(sql).fetchall() for name, sql in q.items()}  # type: ignore[arg-type]
+
+
+def test_from_zero_applies_every_file_and_builds_the_contract(empty_dsn: str) -> None:
+    files = sorted(p.name for p in REPO_MIGRATIONS.glob("*.sql"))
+    assert files, "no migration files"
+    with db.connect(empty_dsn) as conn:
+        assert [f"{m.version:04d}_{m.name}.sql" for m in pending_migrations(conn)] == files
+        applied = migrate(conn)
+        conn.commit()  # inside the caller's transaction, migrate() commits with it
+        assert [f"{m.version:04d}_{m.name}.sql" for m in applied] == files
+        record = conn.execute("SELECT version, name, checksum FROM worker_core_migrations ORDER BY version").fetchall()
+        assert [(r["version"], r["name"], r["checksum"]) for r in record] == [
+            (m.version, m.name, m.checksum) for m in load_migrations()
+        ]
+        assert pending_migrations(conn) == []
+
+        cols = {r["column_name"] for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'job_queue'")}  # fmt: skip
+        assert JOB_QUEUE_COLUMNS <= cols
+        tables = {r["t"] for r in conn.execute("SELECT tablename AS t FROM pg_tables WHERE schemaname = 'public'")}
+        assert {"job_queue", "processed_keys", "queues", "audit_log", "worker_core_migrations"} <= tables
+        # the states of DESIGN.md, and nothing else
+        for s in STATES:
+            conn.execute("SAVEPOINT s")
+            conn.execute("INSERT INTO job_queue (job_type, state) VALUES ('t.ok', %s)", (s,))
+            conn.execute("ROLLBACK TO SAVEPOINT s")
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute("INSERT INTO job_queue (job_type, state) VALUES ('t.ok', 'paused')")
+        conn.rollback()
+        indexes = {r["indexname"]: r["indexdef"] for r in conn.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'job_queue'")}  # fmt: skip
+        dedup = [d for d in indexes.values() if "UNIQUE" in d and "dedup_key" in d]
+        assert dedup and "WHERE" in dedup[0], "dedup_key needs a partial unique index among live jobs"
+        assert any("WHERE" in d and "'queued'" in d and "priority" in d for d in indexes.values())
+        trig = conn.execute("SELECT count(*) AS n FROM pg_trigger WHERE tgname = 'job_queue_notify_insert'")
+        assert trig.fetchone() == {"n": 1}
+
+
+def test_second_run_applies_nothing_and_changes_nothing(empty_dsn: str) -> None:
+    with db.connect(empty_dsn) as conn:
+        assert migrate(conn)
+        before = schema_dump(conn)
+        conn.commit()
+    with db.connect(empty_dsn) as conn:
+        assert migrate(conn) == []
+        conn.commit()
+        assert schema_dump(conn) == before
+
+
+def test_an_applied_migration_that_changed_is_refused(empty_dsn: str, tmp_path: Path) -> None:
+    folder = tmp_path / "migrations"
+    shutil.copytree(REPO_MIGRATIONS, folder)
+    with db.connect(empty_dsn) as conn:
+        migrate(conn, folder)
+        before = schema_dump(conn)
+        first = sorted(folder.glob("*.sql"))[0]
+        first.write_text(first.read_text() + "\nCREATE TABLE sneaky (id int);\n")
+        with pytest.raises(RuntimeError, match="changed after it was applied"):
+            migrate(conn, folder)
+        conn.rollback()
+        assert schema_dump(conn) == before
+
+
+def test_a_new_file_is_applied_forward_and_a_failing_one_leaves_no_trace(empty_dsn: str, tmp_path: Path) -> None:
+    folder = tmp_path / "migrations"
+    shutil.copytree(REPO_MIGRATIONS, folder)
+    with db.connect(empty_dsn) as conn:
+        migrate(conn, folder)
+        (folder / "9001_extra.sql").write_text("CREATE TABLE extra_thing (id int);\n")
+        assert [m.version for m in migrate(conn, folder)] == [9001]
+        (folder / "9002_broken.sql").write_text("CREATE TABLE half_done (id int);\nSELECT 1/0;\n")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            migrate(conn, folder)
+        conn.rollback()
+        assert conn.execute("SELECT to_regclass('half_done') AS t").fetchone() == {"t": None}
+        assert conn.execute("SELECT max(version) AS v FROM worker_core_migrations").fetchone() == {"v": 9001}
+
+
+def test_concurrent_migrate_is_serialised_by_the_advisory_lock(empty_dsn: str) -> None:
+    n = 4
+    barrier = threading.Barrier(n)
+    results: list[list[int]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            with db.connect(empty_dsn) as conn:
+                barrier.wait(timeout=10)
+                applied = migrate(conn)
+                conn.commit()
+            with lock:
+                results.append([m.version for m in applied])
+        except BaseException as e:
+            with lock:
+                errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    everything = [m.version for m in load_migrations()]
+    assert sorted(results) == sorted([everything] + [[]] * (n - 1))
+    with db.connect(empty_dsn) as conn:
+        rows = conn.execute("SELECT version FROM worker_core_migrations ORDER BY version").fetchall()
+        assert [r["version"] for r in rows] == everything
+
+
+def test_checkout_finds_the_top_level_migrations() -> None:
+    assert {m.name for m in load_migrations()} == {
+        p.name.split("_", 1)[1][:-4] for p in REPO_MIGRATIONS.glob("*.sql")
+    }
+    assert Path(str(migrations_dir())).resolve() in (REPO_MIGRATIONS.resolve(), ROOT / "worker_core" / "migrations")
+
+
+@pytest.mark.slow
+def test_migrations_ship_in_the_wheel_and_migrate_from_it(tmp_path: Path, empty_dsn: str) -> None:
+    out = tmp_path / "dist"
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)]
+    if importlib.util.find_spec("hatchling") is not None:
+        cmd.insert(4, "--no-build-isolation")  # no download needed
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = out.glob("qconsole-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        for f in sorted(REPO_MIGRATIONS.glob("*.sql")):
+            inside = f"worker_core/migrations/{f.name}"
+            assert inside in names, f"{inside} is not in the wheel"
+            assert zf.read(inside) == f.read_bytes()
+        assert "worker_core/sql/queries.sql" in names
+        assert "worker_core/migrations/0001_init.sql" in names
+
+    # installed from the wheel (nothing of the checkout on the path), it finds and applies its migrations
+    site = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr[-3000:]
+    code = (
+        "import sys, worker_core\n"
+        "from worker_core import db\n"
+        "from worker_core.migrate import migrate, migrations_dir\n"
+        "assert str(migrations_dir()).startswith(sys.argv[2]), migrations_dir()\n"
+        "with db.connect(sys.argv[1]) as c:\n"
+        "    print(','.join(f'{m.version:04d}_{m.name}' for m in migrate(c)))\n"
+        "    c.commit()\n"
+    )
+    env = subprocess_env()
+    env["PYTHONPATH"] = str(site)
+    run = subprocess.run(
+        [sys.executable, "-c", code, empty_dsn, str(site)], cwd=str(tmp_path), env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == ",".join(p.stem for p in sorted(REPO_MIGRATIONS.glob("*.sql")))
