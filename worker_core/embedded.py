@@ -260,3 +260,15 @@ def tune_for_tests(uri: str) -> None:
             if any(ctx == "postmaster" and setting != _TEST_SETTINGS[name] for name, setting, ctx in rows):
                 server._stop()
                 server.ensure_postgres_running()  # refreshes this handle's postmaster info
+
+
+def restart_embedded(uri: str) -> None:
+    """Stop and start a server this process started: every connection drops (chaos tests use it)."""
+    with _state_lock:
+        path = next((p for p, u in _uris.items() if u == uri), None)
+        if path is None:
+            raise ValueError(f"{uri} was not started by start_embedded() in this process")
+        server = _servers[path]
+        with server._lock:
+            server._stop()
+            server.ensure_postgres_running()
