@@ -1,0 +1,193 @@
+"""The ``qconsole`` CLI against a real database: every envelope flag, exit codes, reading and operating."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from qconsole.cli import app
+from worker_core import db, stats
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cli(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("QCONSOLE_DSN", dsn)
+    monkeypatch.delenv("SSH_CLIENT", raising=False)
+    monkeypatch.delenv("SSH_CONNECTION", raising=False)
+    runner = CliRunner()
+
+    def run(*args: str, code: int = 0) -> Any:
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == code, f"exit {result.exit_code}: {result.output}"
+        return result
+
+    return run
+
+
+def count_jobs(conn: db.Conn) -> int:
+    row = conn.execute("SELECT count(*) AS n FROM job_queue").fetchone()
+    assert row is not None
+    return int(row["n"])
+
+
+def test_enqueue_takes_every_envelope_field(cli: Any, conn: db.Conn) -> None:
+    out = cli(
+        "enqueue", "invoice.generate", "--payload", '{"order_id": "ord_987"}', "--queue", "billing",
+        "--idempotency-key", "invoice:ord_987", "--dedup-key", "dd:ord_987", "--lock-key", "order:ord_987",
+        "--priority", "3", "--delay", "60", "--max-attempts", "7", "--timeout", "20", "--visibility-timeout", "40",
+        "--retry-policy", '{"backoff": "linear", "base_seconds": 4}', "--tenant", "acme", "--trace-id", "tr-1",
+    ).stdout.strip()  # fmt: skip
+    job = stats.get_job(conn, out)
+    assert (job.job_type, job.queue, job.payload) == ("invoice.generate", "billing", {"order_id": "ord_987"})
+    assert (job.idempotency_key, job.dedup_key, job.lock_key) == ("invoice:ord_987", "dd:ord_987", "order:ord_987")
+    assert (job.priority, job.max_attempts, job.timeout_seconds, job.visibility_timeout_seconds) == (3, 7, 20, 40)
+    assert job.retry_policy["backoff"] == "linear" and job.retry_policy["base_seconds"] == 4
+    assert (job.tenant_id, job.trace_id, job.state.value, job.attempts) == ("acme", "tr-1", "queued", 0)
+    assert 59 <= (job.scheduled_at - job.created_at).total_seconds() <= 61
+
+
+def test_enqueue_reports_a_duplicate_of_a_live_job(cli: Any) -> None:
+    first = cli("enqueue", "t.ok", "--dedup-key", "k").stdout.strip()
+    second = cli("enqueue", "t.ok", "--dedup-key", "k").stdout.strip()
+    assert uuid.UUID(first)
+    assert second == f"duplicate of {first}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["Bad Type"], "job_type"),
+        ([""], "job_type is required"),
+        (["t.ok", "--payload", "[1, 2]"], "JSON object"),
+        (["t.ok", "--payload", "{oops"], "not valid JSON"),
+        (["t.ok", "--payload", json.dumps({"x": "a" * 300_000})], "over the limit"),
+        (["t.ok", "--max-attempts", "0"], "max_attempts"),
+        (["t.ok", "--timeout", "30", "--visibility-timeout", "32"], "visibility_timeout_seconds"),
+        (["t.ok", "--timeout", "0"], "timeout_seconds must be > 0"),
+        (["t.ok", "--delay", "-1"], "delay_seconds must not be negative"),
+        (["t.ok", "--idempotency-key", "run-2026-11-29T03:00"], "timestamp"),
+        (["t.ok", "--retry-policy", '{"backoff": "sometimes"}'], "backoff"),
+    ],
+)
+def test_bad_envelopes_exit_2_and_write_nothing(cli: Any, conn: db.Conn, args: list[str], message: str) -> None:
+    result = cli("enqueue", *args, code=2)
+    assert message in result.output
+    assert count_jobs(conn) == 0
+
+
+def test_reading_commands(cli: Any, conn: db.Conn) -> None:
+    jid = cli("enqueue", "t.ok", "--payload", '{"n": 1}', "--queue", "q1").stdout.strip()
+    cli("enqueue", "t.other", "--queue", "q2")
+    listed = json.loads(cli("jobs", "--queue", "q1", "--json").stdout)
+    assert [j["id"] for j in listed] == [jid]
+    assert json.loads(cli("jobs", "--state", "queued", "--json").stdout).__len__() == 2
+    assert json.loads(cli("jobs", "--search", jid[:8], "--json").stdout)[0]["id"] == jid
+    detail = json.loads(cli("job", jid, "--json").stdout)
+    assert detail["payload"] == {"n": 1} and detail["state"] == "queued" and detail["errors"] == []
+    ov = json.loads(cli("stats", "--json").stdout)
+    by_type = {t["job_type"]: t for t in ov["types"]}
+    assert by_type["t.ok"]["queued"] == 1 and by_type["t.ok"]["queue"] == "q1"
+    assert "t.ok" in cli("stats").stdout
+    cli("job", str(uuid.uuid4()), code=1)
+    cli("job", "not-a-uuid", code=1)
+    cli("jobs", "--state", "sleeping", code=2)
+
+
+def test_operator_actions_are_audited_with_user_and_ssh_client(
+    cli: Any, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SSH_CLIENT", "203.0.113.7 52100 22")
+    jid = cli("enqueue", "t.ok").stdout.strip()
+    assert "1 of 1" in cli("kill", jid, "--reason", "bad deploy").stdout
+    assert stats.get_job(conn, jid).state.value == "cancelled"
+    assert "1 of 1" in cli("requeue", jid, "--payload", '{"fixed": true}').stdout
+    job = stats.get_job(conn, jid)
+    assert job.state.value == "queued" and job.payload == {"fixed": True}
+    assert "skipped" in cli("requeue", jid).stdout  # queued: nothing to requeue
+    cli("pause", "default", "--reason", "incident 42")
+    assert [q.paused for q in stats.queues(conn) if q.name == "default"] == [True]
+    cli("resume", "default")
+    audit = json.loads(cli("audit", "--json").stdout)
+    assert [a["action"] for a in audit] == ["resume", "pause", "requeue", "requeue", "kill"]
+    assert {a["ssh_client"] for a in audit} == {"203.0.113.7"}
+    assert all(a["os_user"] for a in audit)
+    kill = audit[-1]
+    assert kill["job_ids"] == [jid] and kill["reason"] == "bad deploy"
+    assert audit[-2]["detail"]["payload"] == {"fixed": True}
+
+
+def test_unreachable_database_exits_3_without_leaking_the_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "s3cr3t-pa55"
+    monkeypatch.setenv("QCONSOLE_DSN", f"postgresql://qc:{secret}@127.0.0.1:1/nowhere?connect_timeout=2")
+    result = CliRunner().invoke(app, ["jobs"])
+    assert result.exit_code == 3
+    assert "cannot connect" in result.output
+    assert secret not in result.output
+
+
+def test_read_only_commands_cannot_write(cli: Any, conn: db.Conn, dsn: str) -> None:
+    jid = cli("enqueue", "t.ok").stdout.strip()
+    with db.connect(dsn, read_only=True, autocommit=True) as ro:
+        from worker_core import ops
+        from worker_core.errors import ReadOnlyError
+
+        with pytest.raises(ReadOnlyError):
+            ops.kill(ro, [jid])
+        import psycopg
+
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            ro.execute("UPDATE job_queue SET state = 'cancelled'")
+    assert stats.get_job(conn, jid).state.value == "queued"
+
+
+@pytest.mark.slow
+def test_mixed_workload_through_the_cli_reaches_the_right_final_states(dsn: str, conn: db.Conn) -> None:
+    """The issue's "done when": enqueue a mixed workload with the CLI, run `worker --processes 2 --burst`."""
+    conn.execute("CREATE TABLE ledger (id serial, job_id uuid, item text, attempt int)")
+    env = {**os.environ, "QCONSOLE_DSN": dsn, "PYTHONPATH": str(ROOT)}
+
+    def q(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "qconsole", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    t = ("--tasks", "tests.worker_core.tasks")
+    ok = [q("enqueue", "t.ok", "--payload", json.dumps({"ledger": True, "item": f"ok{i}"}), *t) for i in range(8)]
+    flaky = [q("enqueue", "t.flaky", "--payload", json.dumps({"fail_times": 2, "ledger": True, "item": f"f{i}"}), *t)
+             for i in range(3)]  # fmt: skip
+    permanent = q("enqueue", "t.permanent", *t)
+    unknown = q("enqueue", "t.unknown", *t)
+    crash = q("enqueue", "t.crash", *t)
+    idem = [q("enqueue", "t.ledger", "--payload", '{"item": "inv-1"}', "--idempotency-key", "inv-1", *t)
+            for _ in range(3)]  # fmt: skip
+    dedup_first = q("enqueue", "t.ok", "--dedup-key", "same", *t)
+    assert q("enqueue", "t.ok", "--dedup-key", "same", *t) == f"duplicate of {dedup_first}"
+
+    q("worker", *t, "--processes", "2", "--burst", "--poll-interval", "0.1", "--heartbeat", "0.3")
+
+    def state(jid: str) -> str:
+        return stats.get_job(conn, jid).state.value
+
+    assert {state(j) for j in [*ok, *flaky, *idem, dedup_first]} == {"succeeded"}
+    assert state(permanent) == "failed"
+    assert state(unknown) == "dead_lettered"
+    assert state(crash) == "dead_lettered"
+    assert stats.get_job(conn, crash).attempts == 2  # max_attempts restarts, no more
+    assert all(stats.get_job(conn, j).attempts == 3 for j in flaky)
+    rows = conn.execute("SELECT item, count(*) AS n FROM ledger GROUP BY item").fetchall()
+    assert {r["item"]: r["n"] for r in rows} == {**{f"ok{i}": 1 for i in range(8)}, **{f"f{i}": 1 for i in range(3)},
+                                                 "inv-1": 1}  # fmt: skip
+    live = conn.execute("SELECT count(*) AS n FROM job_queue WHERE state IN ('queued', 'running', 'retry_scheduled')")
+    assert live.fetchone() == {"n": 0}
