@@ -16,16 +16,24 @@ from typing import Any
 from worker_core.errors import EnvelopeError
 from worker_core.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 
-JOB_TYPE_RE = re.compile(r"^[a-z0-9_.-]+$")
-QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
+# \Z, not $: Python's $ also matches before a trailing newline, which PostgreSQL's CHECK then refuses
+JOB_TYPE_RE = re.compile(r"^[a-z0-9_.-]+\Z")
+QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]+\Z")
 #: an idempotency key names a business effect; a wall-clock time in it makes every retry "new"
 TIMESTAMP_IN_KEY_RE = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}")
+#: a NUL character as json.dumps writes it (an escaped backslash followed by "u0000" is not one)
+NUL_IN_JSON_RE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_KEY_LENGTH = 512
 MAX_JOB_TYPE_LENGTH = 200
 DEFAULT_QUEUE = "default"
 DEFAULT_MAX_ATTEMPTS = 5
+#: upper bounds keep every accepted envelope inside PostgreSQL's integer and timestamp ranges: one job with
+#: timeout_seconds=1e13 used to make the claim fail with "timestamp out of range" for every worker
+MAX_MAX_ATTEMPTS = 1000
+MAX_TIMEOUT_SECONDS = 30 * 86400.0
+MAX_DELAY_SECONDS = 366 * 86400.0
 DEFAULT_TIMEOUT_SECONDS = 60.0
 #: a visibility timeout must exceed the execution timeout by at least this much
 VISIBILITY_BUFFER_SECONDS = 5.0
@@ -99,7 +107,34 @@ def _key(problems: list[str], name: str, value: Any) -> str | None:
     if len(value) > MAX_KEY_LENGTH:
         problems.append(f"{name} is longer than {MAX_KEY_LENGTH} characters")
         return None
+    if "\x00" in value or not _utf8(value):
+        problems.append(f"{name} must be valid text without NUL characters")
+        return None
     return value
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # lone surrogates
+        return False
+    return True
+
+
+def _non_string_keys(value: Any) -> list[Any]:
+    """Dict keys anywhere in ``value`` that are not strings (json.dumps would silently turn
+    ``{1: "a", "1": "b"}`` into two "1" keys, and PostgreSQL keeps only the last)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    return [k]
+                stack.append(item)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return []
 
 
 def build_envelope(
@@ -131,14 +166,19 @@ def build_envelope(
     else:
         try:
             payload_json = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            problems.append(f"payload is not JSON-serialisable: {e}")
+        except (TypeError, ValueError, RecursionError) as e:
+            problems.append(f"payload is not JSON-serialisable: {type(e).__name__}: {e}")
         else:
-            if "\\u0000" in payload_json:
+            for bad_key in _non_string_keys(payload):
+                problems.append(f"payload keys must be strings, not {type(bad_key).__name__} {bad_key!r}")
+            if NUL_IN_JSON_RE.search(payload_json):
                 problems.append("payload must not contain NUL characters")
-            size = len(payload_json.encode())
-            if size > MAX_PAYLOAD_BYTES:
-                problems.append(f"payload is {size} bytes, over the limit of {MAX_PAYLOAD_BYTES}")
+            if not _utf8(payload_json):
+                problems.append("payload must be valid text (it contains a lone surrogate)")
+            else:
+                size = len(payload_json.encode())
+                if size > MAX_PAYLOAD_BYTES:
+                    problems.append(f"payload is {size} bytes, over the limit of {MAX_PAYLOAD_BYTES}")
 
     queue = fields.get("queue", d.queue)
     if not isinstance(queue, str) or not QUEUE_RE.match(queue) or len(queue) > 100:
@@ -164,23 +204,34 @@ def build_envelope(
     delay = _number(problems, "delay_seconds", fields.get("delay_seconds", 0.0))
     if delay is not None and delay < 0:
         problems.append("delay_seconds must not be negative")
+    elif delay is not None and delay > MAX_DELAY_SECONDS:
+        problems.append(f"delay_seconds must be at most {MAX_DELAY_SECONDS:g}")
     if scheduled_at is not None and fields.get("delay_seconds"):
         problems.append("give scheduled_at or delay_seconds, not both")
 
     max_attempts = fields.get("max_attempts", d.max_attempts)
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        problems.append(f"max_attempts must be an integer >= 1, not {max_attempts!r}")
+    if (
+        isinstance(max_attempts, bool)
+        or not isinstance(max_attempts, int)
+        or not 1 <= max_attempts <= MAX_MAX_ATTEMPTS
+    ):
+        problems.append(f"max_attempts must be an integer between 1 and {MAX_MAX_ATTEMPTS}, not {max_attempts!r}")
         max_attempts = 1
 
     timeout = _number(problems, "timeout_seconds", fields.get("timeout_seconds", d.timeout_seconds))
-    if timeout is not None and timeout <= 0:
-        problems.append("timeout_seconds must be > 0")
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_SECONDS:
+        problems.append(f"timeout_seconds must be > 0 and at most {MAX_TIMEOUT_SECONDS:g}")
+        timeout = None
     vis_given = fields.get("visibility_timeout_seconds", d.visibility_timeout_seconds)
     visibility: float | None
     if vis_given is None:
         visibility = None if timeout is None else timeout + DEFAULT_VISIBILITY_MARGIN_SECONDS
     else:
         visibility = _number(problems, "visibility_timeout_seconds", vis_given)
+        max_visibility = MAX_TIMEOUT_SECONDS + DEFAULT_VISIBILITY_MARGIN_SECONDS
+        if visibility is not None and visibility > max_visibility:
+            problems.append(f"visibility_timeout_seconds must be at most {max_visibility:g}")
+            visibility = None
     if timeout is not None and visibility is not None and visibility <= timeout + VISIBILITY_BUFFER_SECONDS:
         problems.append(
             f"visibility_timeout_seconds ({visibility:g}) must exceed timeout_seconds ({timeout:g}) "

@@ -3,10 +3,13 @@ if and only if the business write that made it commits (transactional enqueue)."
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from psycopg.pq import TransactionStatus
 
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
@@ -21,6 +24,24 @@ def prepare(job_type: Any, payload: Any, envelope: Mapping[str, Any], registry: 
     """Validate one message with the local registry's defaults for its type."""
     task = (registry or default_registry).get(job_type) if isinstance(job_type, str) else None
     return build_envelope(job_type, payload, envelope, task.defaults() if task else None)
+
+
+def _in_callers_transaction(conn: Conn) -> contextlib.AbstractContextManager[Any]:
+    """A transaction of its own on an autocommit connection, a savepoint inside the caller's open one.
+
+    On a non-autocommit connection with no transaction open yet, psycopg's ``transaction()`` would BEGIN
+    and COMMIT by itself, so an enqueue made before the business write would commit without it: there,
+    the first statement opens the caller's transaction and the caller commits or rolls back.
+    """
+    if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
+        return conn.transaction()
+    return contextlib.nullcontext()
+
+
+def _count_dedup_hits(conn: Conn, now: dt.datetime, hits: Mapping[tuple[str, str], int]) -> None:
+    rows = [{"queue": q, "job_type": t, "n": n} for (q, t), n in sorted(hits.items()) if n]
+    if rows:
+        conn.execute(queries["count_dedup_hits"], {"now": now, "rows": json.dumps(rows)})
 
 
 def _params(env: Envelope, now: dt.datetime) -> dict[str, Any]:
@@ -60,13 +81,14 @@ def enqueue(
     env = prepare(job_type, {} if payload is None else payload, envelope, registry)
     now = clock.now()
     params = {**_params(env, now), "now": now}
-    with conn.transaction():
+    with _in_callers_transaction(conn):
         for _ in range(5):
             row = conn.execute(queries["insert_job"], params).fetchone()
             if row:
                 return EnqueueResult(row["id"], True)
             found = conn.execute(queries["live_by_dedup_keys"], {"keys": [env.dedup_key]}).fetchone()
             if found:
+                _count_dedup_hits(conn, now, {(env.queue, env.job_type): 1})
                 return EnqueueResult(found["id"], False)
             # the holder finished between our insert and our look-up: try again
     raise RuntimeError(f"could not enqueue {job_type}: dedup key {env.dedup_key!r} kept changing hands")
@@ -103,7 +125,7 @@ def enqueue_many(
     now = clock.now()
     rows = [_params(env, now) for env in envs]
     columns = {name: [r[name] for r in rows] for name in rows[0]}
-    with conn.transaction():
+    with _in_callers_transaction(conn):
         inserted = conn.execute(queries["insert_jobs_many"], {**columns, "now": now}).fetchall()
         by_key = {r["dedup_key"]: r["id"] for r in inserted if r["dedup_key"] is not None}
         missing = [e.dedup_key for e in envs if e.dedup_key is not None and e.dedup_key not in by_key]

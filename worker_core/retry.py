@@ -9,12 +9,15 @@ capped at max_delay, then jittered by +-jitter (a fraction), and never above max
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 BACKOFFS = ("fixed", "linear", "exponential")
+#: a longer delay would not fit a timestamp once added to "now" (and an infinite one is not JSON)
+MAX_RETRY_DELAY_SECONDS = 366 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,10 @@ class RetryPolicy:
         out = []
         if self.backoff not in BACKOFFS:
             out.append(f"backoff must be one of {', '.join(BACKOFFS)}, not {self.backoff!r}")
-        if not self.base_seconds >= 0:
-            out.append("base_seconds must be >= 0")
-        if not self.max_delay_seconds >= 0:
-            out.append("max_delay_seconds must be >= 0")
+        if not (math.isfinite(self.base_seconds) and self.base_seconds >= 0):
+            out.append("base_seconds must be a finite number >= 0")
+        if not (math.isfinite(self.max_delay_seconds) and 0 <= self.max_delay_seconds <= MAX_RETRY_DELAY_SECONDS):
+            out.append(f"max_delay_seconds must be between 0 and {MAX_RETRY_DELAY_SECONDS:g}")
         if not 0 <= self.jitter <= 1:
             out.append("jitter must be between 0 and 1")
         return out

@@ -64,7 +64,7 @@ def test_from_zero_applies_every_file_and_builds_the_contract(empty_dsn: str) ->
 
         cols = {r["column_name"] for r in conn.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_name = 'job_queue'")}  # fmt: skip
-        assert JOB_QUEUE_COLUMNS <= cols
+        assert cols >= JOB_QUEUE_COLUMNS
         tables = {r["t"] for r in conn.execute("SELECT tablename AS t FROM pg_tables WHERE schemaname = 'public'")}
         assert {"job_queue", "processed_keys", "queues", "audit_log", "worker_core_migrations"} <= tables
         # the states of DESIGN.md, and nothing else
@@ -185,7 +185,7 @@ def test_migrations_ship_in_the_wheel_and_migrate_from_it(tmp_path: Path, empty_
     # installed from the wheel (nothing of the checkout on the path), it finds and applies its migrations
     site = tmp_path / "site"
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-3000:]

@@ -1,0 +1,397 @@
+"""The envelope contract at enqueue: every bad envelope is refused with a clear EnvelopeError and writes
+nothing; valid ones are stored as given; enqueue is transactional with the caller's writes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tests.worker_core.tasks  # registers the t.* types (their per-type defaults)
+from worker_core import EnvelopeError, FixedClock, RetryPolicy, db, enqueue, enqueue_many
+from worker_core.envelope import MAX_PAYLOAD_BYTES, VISIBILITY_BUFFER_SECONDS
+
+T0 = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+
+
+def count(conn: db.Conn) -> int:
+    row = conn.execute("SELECT count(*) AS n FROM job_queue").fetchone()
+    assert row is not None
+    return int(row["n"])
+
+
+def nested(depth: int) -> dict[str, Any]:
+    value: Any = []
+    for _ in range(depth):
+        value = [value]
+    return {"deep": value}
+
+
+def exactly(size: int) -> dict[str, Any]:
+    """A payload whose compact JSON is exactly ``size`` bytes."""
+    return {"b": "x" * (size - len('{"b":""}'))}
+
+
+# (job_type, payload, envelope fields, what the message must say)
+BAD: list[tuple[str, Any, Any, dict[str, Any], str]] = [
+    ("unknown-field", "t.ok", {}, {"colour": "red"}, "unknown envelope field 'colour'"),
+    ("unknown-field-delay-typo", "t.ok", {}, {"delay": 5}, "unknown envelope field 'delay'"),
+    ("system-attempt", "t.ok", {}, {"attempt": 3}, "attempt is managed by the system"),
+    ("system-job_id", "t.ok", {}, {"job_id": uuid.uuid4()}, "job_id is managed by the system"),
+    ("system-state", "t.ok", {}, {"state": "succeeded"}, "state is managed by the system"),
+    ("job_type-empty", "", {}, {}, "job_type is required"),
+    ("job_type-none", None, {}, {}, "job_type is required"),
+    ("job_type-upper", "Invoice.Generate", {}, {}, "must match [a-z0-9_.-]+"),
+    ("job_type-space", "invoice generate", {}, {}, "must match"),
+    ("job_type-newline", "t.ok\n", {}, {}, "must match"),
+    ("job_type-unicode", "factură", {}, {}, "must match"),
+    ("job_type-too-long", "a" * 201, {}, {}, "must match"),
+    ("payload-list", "t.ok", [1, 2], {}, "payload must be a JSON object, not list"),
+    ("payload-str", "t.ok", '{"a": 1}', {}, "payload must be a JSON object, not str"),
+    ("payload-int", "t.ok", 7, {}, "payload must be a JSON object, not int"),
+    ("payload-datetime", "t.ok", {"at": T0}, {}, "payload is not JSON-serialisable"),
+    ("payload-set", "t.ok", {"ids": {1, 2}}, {}, "payload is not JSON-serialisable"),
+    ("payload-nan", "t.ok", {"x": math.nan}, {}, "payload is not JSON-serialisable"),
+    ("payload-inf", "t.ok", {"x": [math.inf]}, {}, "payload is not JSON-serialisable"),
+    ("payload-too-deep", "t.ok", nested(5000), {}, "payload is not JSON-serialisable"),
+    ("payload-int-key", "t.ok", {1: "a", "1": "b"}, {}, "payload keys must be strings"),
+    ("payload-nested-key", "t.ok", {"a": [{None: 1}]}, {}, "payload keys must be strings"),
+    ("payload-nul", "t.ok", {"x": "a\x00b"}, {}, "payload must not contain NUL"),
+    ("payload-surrogate", "t.ok", {"x": "\ud800"}, {}, "lone surrogate"),
+    ("payload-over-limit", "t.ok", exactly(MAX_PAYLOAD_BYTES + 1), {}, f"over the limit of {MAX_PAYLOAD_BYTES}"),
+    ("max_attempts-0", "t.ok", {}, {"max_attempts": 0}, "max_attempts must be an integer between 1"),
+    ("max_attempts-negative", "t.ok", {}, {"max_attempts": -3}, "max_attempts must be"),
+    ("max_attempts-float", "t.ok", {}, {"max_attempts": 2.5}, "max_attempts must be"),
+    ("max_attempts-bool", "t.ok", {}, {"max_attempts": True}, "max_attempts must be"),
+    ("max_attempts-huge", "t.ok", {}, {"max_attempts": 2**40}, "max_attempts must be"),
+    ("visibility-equal", "t.ok", {}, {"timeout_seconds": 10, "visibility_timeout_seconds": 10}, "must exceed"),
+    ("visibility-at-buffer", "t.ok", {}, {"timeout_seconds": 10, "visibility_timeout_seconds": 15}, "plus a buffer"),
+    ("visibility-below", "t.ok", {}, {"timeout_seconds": 60, "visibility_timeout_seconds": 30}, "must exceed"),
+    ("visibility-nan", "t.ok", {}, {"visibility_timeout_seconds": math.nan}, "finite number"),
+    ("visibility-huge", "t.ok", {}, {"visibility_timeout_seconds": 1e13}, "visibility_timeout_seconds must be at"),
+    ("timeout-zero", "t.ok", {}, {"timeout_seconds": 0}, "timeout_seconds must be > 0"),
+    ("timeout-negative", "t.ok", {}, {"timeout_seconds": -1}, "timeout_seconds must be > 0"),
+    ("timeout-str", "t.ok", {}, {"timeout_seconds": "30"}, "timeout_seconds must be a finite number"),
+    ("timeout-huge", "t.ok", {}, {"timeout_seconds": 1e13}, "at most"),
+    ("delay-negative", "t.ok", {}, {"delay_seconds": -1}, "delay_seconds must not be negative"),
+    ("delay-inf", "t.ok", {}, {"delay_seconds": math.inf}, "delay_seconds must be a finite number"),
+    ("delay-huge", "t.ok", {}, {"delay_seconds": 1e300}, "delay_seconds must be at most"),
+    ("delay-and-scheduled", "t.ok", {}, {"delay_seconds": 5, "scheduled_at": T0}, "not both"),
+    ("scheduled-naive", "t.ok", {}, {"scheduled_at": dt.datetime(2030, 1, 1)}, "timezone-aware"),
+    ("idem-iso-timestamp", "t.ok", {}, {"idempotency_key": "invoice:inv_1:2024-05-01T10:00:00"}, "timestamp"),
+    ("idem-space-timestamp", "t.ok", {}, {"idempotency_key": "charge 2024-05-01 10:00"}, "timestamp"),
+    ("idem-empty", "t.ok", {}, {"idempotency_key": "  "}, "idempotency_key must be a non-empty string"),
+    ("idem-int", "t.ok", {}, {"idempotency_key": 42}, "idempotency_key must be a non-empty string"),
+    ("idem-nul", "t.ok", {}, {"idempotency_key": "a\x00b"}, "idempotency_key must be valid text"),
+    ("idem-too-long", "t.ok", {}, {"idempotency_key": "k" * 513}, "longer than 512"),
+    ("idem-required", "t.ledger", {}, {}, "an idempotency_key is required"),
+    ("dedup-surrogate", "t.ok", {}, {"dedup_key": "d\udc80"}, "dedup_key must be valid text"),
+    ("lock-empty", "t.ok", {}, {"lock_key": ""}, "lock_key must be a non-empty string"),
+    ("tenant-nul", "t.ok", {}, {"tenant_id": "\x00"}, "tenant_id must be valid text"),
+    ("queue-space", "t.ok", {}, {"queue": "my queue"}, "queue 'my queue' must match"),
+    ("queue-empty", "t.ok", {}, {"queue": ""}, "must match"),
+    ("queue-newline", "t.ok", {}, {"queue": "q\n"}, "must match"),
+    ("priority-str", "t.ok", {}, {"priority": "high"}, "priority must be an integer"),
+    ("priority-huge", "t.ok", {}, {"priority": 10**30}, "priority must be an integer between -1000 and 1000"),
+    ("retry-backoff", "t.ok", {}, {"retry_policy": {"backoff": "random"}}, "backoff must be one of"),
+    ("retry-unknown", "t.ok", {}, {"retry_policy": {"tries": 3}}, "unknown retry policy fields: tries"),
+    ("retry-inf", "t.ok", {}, {"retry_policy": {"max_delay_seconds": math.inf}}, "max_delay_seconds must be"),
+    ("retry-jitter", "t.ok", {}, {"retry_policy": {"jitter": 2}}, "jitter must be between 0 and 1"),
+]
+
+
+@pytest.mark.parametrize(("job_type", "payload", "fields", "message"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_envelope_is_refused_with_a_clear_message_and_writes_nothing(
+    tx_conn: db.Conn, job_type: Any, payload: Any, fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(EnvelopeError) as err:
+        enqueue(tx_conn, job_type, payload, **fields)
+    assert str(err.value).startswith("invalid job envelope: ")
+    assert message in str(err.value), str(err.value)
+    assert len(err.value.problems) == 1, err.value.problems  # one mistake, one message
+    assert isinstance(err.value, ValueError)
+    assert count(tx_conn) == 0
+
+
+def test_every_problem_is_reported_at_once(tx_conn: db.Conn) -> None:
+    with pytest.raises(EnvelopeError) as err:
+        enqueue(tx_conn, "Bad Type", [1], max_attempts=0, delay_seconds=-1, colour="red", attempt=2)
+    text = str(err.value)
+    for fragment in (
+        "unknown envelope field 'colour'",
+        "attempt is managed",
+        "job_type 'Bad Type'",
+        "payload must be a JSON object",
+        "max_attempts",
+        "delay_seconds must not be negative",
+    ):
+        assert fragment in text
+    assert len(err.value.problems) == 6
+    assert count(tx_conn) == 0
+
+
+GOOD: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
+    ("minimal", "t.ok", {}, {}),
+    ("unregistered-type", "report.render-v2", {"n": 1}, {}),
+    ("payload-at-limit", "t.ok", exactly(MAX_PAYLOAD_BYTES), {}),
+    ("payload-escaped-backslash-u0000", "t.ok", {"doc": "write NUL as \\u0000 in JSON"}, {}),
+    ("payload-unicode", "t.ok", {"name": "Zoë ✓ 日本", "n": [1, 2.5, None, True, {"k": "v"}]}, {}),
+    ("visibility-just-above", "t.ok", {}, {"timeout_seconds": 10, "visibility_timeout_seconds": 15.001}),
+    ("priority-bounds", "t.ok", {}, {"priority": -1000}),
+    ("max_attempts-1", "t.ok", {}, {"max_attempts": 1}),
+    ("delay-zero", "t.ok", {}, {"delay_seconds": 0}),
+    ("scheduled-other-tz", "t.ok", {}, {"scheduled_at": dt.datetime(2030, 1, 1, 12, tzinfo=dt.timezone(dt.timedelta(hours=5)))}),  # noqa: E501
+    ("idem-with-date-only", "t.ledger", {}, {"idempotency_key": "invoice:2024-05:cust_1"}),
+    ("retry-object", "t.ok", {}, {"retry_policy": RetryPolicy("linear", 3, 30, 0)}),
+    (
+        "everything",
+        "t.ledger",
+        {"item": "inv_1", "amount": 12.5},
+        {
+            "queue": "billing.eu",
+            "idempotency_key": "invoice:inv_1",
+            "dedup_key": "invoice:inv_1:v1",
+            "lock_key": "order:ord_987",
+            "priority": 5,
+            "delay_seconds": 30,
+            "max_attempts": 7,
+            "timeout_seconds": 12.5,
+            "visibility_timeout_seconds": 40,
+            "retry_policy": {"backoff": "fixed", "base_seconds": 3},
+            "tenant_id": "acme",
+            "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("job_type", "payload", "fields"), [g[1:] for g in GOOD], ids=[g[0] for g in GOOD])
+def test_valid_envelope_is_stored_as_given(
+    tx_conn: db.Conn, job_type: str, payload: dict[str, Any], fields: dict[str, Any]
+) -> None:
+    result = enqueue(tx_conn, job_type, payload, clock=FixedClock(T0), **fields)
+    assert result.created and result.duplicate_of is None
+    row = tx_conn.execute("SELECT * FROM job_queue WHERE id = %s", (result.id,)).fetchone()
+    assert row is not None
+    assert row["state"] == "queued" and row["attempts"] == 0 and row["errors"] == []
+    assert row["job_type"] == job_type
+    assert row["payload"] == payload
+    for name in ("queue", "idempotency_key", "dedup_key", "lock_key", "priority", "max_attempts",
+                 "timeout_seconds", "visibility_timeout_seconds", "tenant_id", "trace_id"):  # fmt: skip
+        if name in fields:
+            assert row[name] == fields[name], name
+    assert row["visibility_timeout_seconds"] > row["timeout_seconds"] + VISIBILITY_BUFFER_SECONDS
+    expected_at = fields.get("scheduled_at") or T0 + dt.timedelta(seconds=fields.get("delay_seconds", 0))
+    assert row["scheduled_at"] == expected_at
+    policy = fields.get("retry_policy")
+    if isinstance(policy, RetryPolicy):
+        assert row["retry_policy"] == policy.to_json()
+    elif policy:
+        assert {k: row["retry_policy"][k] for k in policy} == policy
+
+
+def test_type_defaults_come_from_the_registry(tx_conn: db.Conn) -> None:
+    res = enqueue(tx_conn, "t.stubborn", {})
+    row = tx_conn.execute("SELECT * FROM job_queue WHERE id = %s", (res.id,)).fetchone()
+    assert row is not None
+    assert (row["timeout_seconds"], row["visibility_timeout_seconds"], row["max_attempts"]) == (1, 10, 1)
+    assert row["retry_policy"] == tests.worker_core.tasks.FAST.to_json()
+
+
+# --------------------------------------------------------------------------- enqueue_many
+
+
+def test_enqueue_many_validates_every_envelope_before_writing_anything(tx_conn: db.Conn) -> None:
+    batch = [
+        ("t.ok", {"n": 0}),
+        ("t.ok", [1], {}),
+        ("t.ok", {"n": 2}),
+        ("t.ok", {"n": 3}, {"max_attempts": 0}),
+    ]
+    with pytest.raises(EnvelopeError) as err:
+        enqueue_many(tx_conn, batch)
+    assert [p.split(":")[0] for p in err.value.problems] == ["job 1", "job 3"]
+    assert "payload must be a JSON object" in err.value.problems[0]
+    assert "max_attempts" in err.value.problems[1]
+    assert count(tx_conn) == 0
+
+
+def test_enqueue_many_inserts_in_order_and_collapses_dedup_keys(tx_conn: db.Conn) -> None:
+    held = enqueue(tx_conn, "t.ok", {"n": "held"}, dedup_key="held")
+    results = enqueue_many(
+        tx_conn,
+        [
+            ("t.ok", {"n": 0}),
+            ("t.ok", {"n": 1}, {"dedup_key": "a"}),
+            ("t.ok", {"n": 2}),
+            ("t.ok", {"n": 3}, {"dedup_key": "a"}),
+            ("t.ok", {"n": 4}, {"dedup_key": "held"}),
+            ("t.ok", {"n": 5}, {"queue": "other"}),
+        ],
+    )
+    assert [r.created for r in results] == [True, True, True, False, False, True]
+    assert results[3].duplicate_of == results[1].id
+    assert results[4].duplicate_of == held.id
+    payloads = {r["id"]: r["payload"]["n"] for r in tx_conn.execute("SELECT id, payload FROM job_queue")}
+    assert [payloads[r.id] for r in results] == [0, 1, 2, 1, "held", 5]
+    assert count(tx_conn) == 5  # held + 4 new
+    assert enqueue_many(tx_conn, []) == []
+
+
+# --------------------------------------------------------------------------- transactional enqueue
+
+
+@pytest.mark.parametrize("enqueue_first", [False, True], ids=["write-then-enqueue", "enqueue-then-write"])
+def test_enqueue_is_transactional_with_the_business_write(dsn: str, enqueue_first: bool) -> None:
+    with db.connect(dsn) as conn:  # not autocommit: the caller's transaction
+        if enqueue_first:  # the enqueue is what opens the caller's transaction: it must not commit it
+            rolled_back = enqueue(conn, "t.ok", {"order": 1})
+        conn.execute("INSERT INTO ledger (job_id, item) VALUES (%s, 'order-1')", (uuid.uuid4(),))
+        if not enqueue_first:
+            rolled_back = enqueue(conn, "t.ok", {"order": 1})
+        conn.rollback()
+        assert count(conn) == 0
+        assert conn.execute("SELECT count(*) AS n FROM ledger").fetchone() == {"n": 0}
+        rolled_back_many = enqueue_many(conn, [("t.ok", {"order": "1b"})])
+        conn.rollback()
+        assert count(conn) == 0
+
+        conn.execute("INSERT INTO ledger (job_id, item) VALUES (%s, 'order-2')", (uuid.uuid4(),))
+        committed = enqueue(conn, "t.ok", {"order": 2})
+        conn.commit()
+
+        with pytest.raises(RuntimeError), conn.transaction():
+            enqueue(conn, "t.ok", {"order": 3})
+            raise RuntimeError("the business write failed")
+
+    with db.connect(dsn, autocommit=True) as other:
+        ids = [r["id"] for r in other.execute("SELECT id FROM job_queue")]
+        assert ids == [committed.id]
+        assert rolled_back.id not in ids and rolled_back_many[0].id not in ids
+        assert other.execute("SELECT item FROM ledger").fetchall() == [{"item": "order-2"}]
+
+
+def test_workers_are_notified_only_when_the_enqueue_commits(dsn: str) -> None:
+    with db.connect(dsn, autocommit=True) as listener, db.connect(dsn) as producer:
+        listener.execute("LISTEN worker_core_jobs")
+        enqueue(producer, "t.ok", {}, queue="rolled-back")
+        producer.rollback()
+        enqueue(producer, "t.ok", {}, queue="committed")
+        producer.commit()
+        # notifications arrive in commit order: had the rolled-back one been sent, it would come first
+        got = [n.payload for n in listener.notifies(timeout=10, stop_after=1)]
+        assert got == ["committed"]
+
+
+def test_dedup_key_collapses_live_duplicates_at_enqueue(tx_conn: db.Conn) -> None:
+    first = enqueue(tx_conn, "t.ok", {"v": 1}, dedup_key="report:42")
+    second = enqueue(tx_conn, "t.ok", {"v": 2}, dedup_key="report:42")
+    assert first.created and not second.created
+    assert second.duplicate_of == first.id
+    assert count(tx_conn) == 1
+    other = enqueue(tx_conn, "t.ok", {"v": 3}, dedup_key="report:43")
+    assert other.created
+
+
+# --------------------------------------------------------------------------- property
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """JSON equality, with numbers compared as numbers (jsonb keeps them as decimals)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-300) or a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+weird_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=12) | st.sampled_from(
+    ["", " ", "a\x00", "\ud800", "x\n", "2024-05-01T10:00", "ok", "k" * 600]
+)
+json_leaf = (
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True) | weird_text
+)
+json_value = st.recursive(
+    json_leaf,
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(weird_text, children, max_size=3)
+    | st.dictionaries(st.integers(0, 3) | st.none(), children, max_size=2),
+    max_leaves=12,
+)
+payloads = st.dictionaries(weird_text, json_value, max_size=4) | json_value
+job_types = st.sampled_from(["t.ok", "t.ledger", "t.stubborn", "a.b-c_1", "", "Upper", "t.ok\n"]) | st.text(max_size=8)
+numbers = st.integers(-5, 10**12) | st.floats(allow_nan=True, allow_infinity=True) | st.none() | st.just("5")
+keys = weird_text | st.none() | st.integers()
+envelope_fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "queue": st.sampled_from(["default", "billing.eu", "bad queue", ""]) | weird_text,
+        "idempotency_key": keys,
+        "dedup_key": keys,
+        "lock_key": keys,
+        "priority": st.integers(-2000, 2000) | st.sampled_from([True, 1.5, None]),
+        "scheduled_at": st.datetimes(timezones=st.just(dt.timezone.utc)) | st.datetimes() | st.just("tomorrow"),
+        "delay_seconds": numbers,
+        "max_attempts": numbers,
+        "timeout_seconds": numbers,
+        "visibility_timeout_seconds": numbers,
+        "retry_policy": st.none()
+        | st.fixed_dictionaries(
+            {},
+            optional={
+                "backoff": weird_text | st.sampled_from(["fixed", "exponential"]),
+                "base_seconds": numbers,
+                "max_delay_seconds": numbers,
+                "jitter": numbers,
+                "extra": st.just(1),
+            },
+        )
+        | st.just("fast"),
+        "tenant_id": keys,
+        "trace_id": keys,
+        "attempt": st.integers(0, 3),
+        "colour": st.just("red"),
+    },
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(job_type=job_types, payload=payloads, fields=envelope_fields)
+def test_any_envelope_is_either_stored_as_given_or_refused_with_envelope_error(
+    tx_conn: db.Conn, job_type: Any, payload: Any, fields: dict[str, Any]
+) -> None:
+    with tx_conn.transaction(force_rollback=True):  # a savepoint per example
+        try:
+            result = enqueue(tx_conn, job_type, payload, clock=FixedClock(T0), **fields)
+        except EnvelopeError as e:
+            assert e.problems and all(isinstance(p, str) and p for p in e.problems)
+            assert count(tx_conn) == 0
+            return
+        row = tx_conn.execute("SELECT * FROM job_queue WHERE id = %s", (result.id,)).fetchone()
+        assert row is not None and count(tx_conn) == 1
+        assert row["job_type"] == job_type and row["state"] == "queued" and row["attempts"] == 0
+        expected = {} if payload is None else json.loads(json.dumps(payload))  # None means "no payload"
+        assert _same_json(expected, row["payload"]), (payload, row["payload"])
+        for name in ("queue", "idempotency_key", "dedup_key", "lock_key", "priority", "max_attempts",
+                     "tenant_id", "trace_id"):  # fmt: skip
+            if fields.get(name) is not None:
+                assert row[name] == fields[name], name
+        for name in ("timeout_seconds", "visibility_timeout_seconds"):
+            if fields.get(name) is not None:
+                assert row[name] == float(fields[name]), name
+        if fields.get("scheduled_at") is not None:
+            assert row["scheduled_at"] == fields["scheduled_at"]
+        else:
+            delay = dt.timedelta(seconds=fields.get("delay_seconds") or 0)
+            assert abs(row["scheduled_at"] - (T0 + delay)) <= dt.timedelta(milliseconds=1)
+        assert row["visibility_timeout_seconds"] > row["timeout_seconds"] + VISIBILITY_BUFFER_SECONDS
