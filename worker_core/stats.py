@@ -79,6 +79,7 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
                 dlq_per_min=float(w.get("dead_lettered") or 0) * per_min,
                 lease_expirations_per_min=float(w.get("lease_expirations") or 0) * per_min,
                 retries_per_min=float(w.get("retried") or 0) * per_min,
+                enqueued=int(w.get("enqueued") or 0),
                 retries=int(w.get("retried") or 0),
                 timeouts=int(w.get("timeouts") or 0),
                 anomalies=int(w.get("anomalies") or 0),
@@ -238,3 +239,35 @@ def dead_letter_groups(
 
 def audit_log(conn: Conn, limit: int = 100) -> list[AuditEntry]:
     return [AuditEntry(**r) for r in conn.execute(queries["audit_list"], {"limit": limit})]
+
+
+def latency_series(
+    conn: Conn, clock: Clock = SYSTEM_CLOCK, minutes: int = SERIES_MINUTES, by: str = "queue"
+) -> dict[str, list[float]]:
+    """Queue latency (enqueue or due time to start), averaged per minute, in seconds, per queue (or job
+    type), oldest first, over the last ``minutes``. A minute in which nothing started is 0."""
+    if by not in ("queue", "job_type"):
+        raise ValueError(f"cannot group latency by {by!r}")
+    start = _ago(clock.now(), minutes)
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * minutes)
+    counts: dict[str, list[float]] = defaultdict(lambda: [0.0] * minutes)
+    with conn.transaction():
+        for r in conn.execute(queries["stats_latency_series"], {"since": start}):
+            i = int((r["minute"] - start).total_seconds() // 60)
+            if 0 <= i < minutes:
+                sums[r[by]][i] += r["latency_ms_sum"]
+                counts[r[by]][i] += r["started"]
+    return {
+        key: [s / c / 1000.0 if c else 0.0 for s, c in zip(sums[key], counts[key], strict=True)] for key in sums
+    }
+
+
+def attempts_distribution(
+    conn: Conn, clock: Clock = SYSTEM_CLOCK, minutes: int = SERIES_MINUTES
+) -> dict[str, dict[int, int]]:
+    """Per job type: how many jobs that finished in the last ``minutes`` took 1, 2, 3... attempts."""
+    since = clock.now() - dt.timedelta(minutes=minutes)
+    out: dict[str, dict[int, int]] = defaultdict(dict)
+    for r in conn.execute(queries["stats_attempts_distribution"], {"since": since}):
+        out[r["job_type"]][int(r["attempts"])] = int(r["n"])
+    return dict(out)

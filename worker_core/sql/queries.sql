@@ -330,7 +330,7 @@ SELECT queue, job_type,
        sum(dead_lettered) AS dead_lettered, sum(retried) AS retried, sum(timeouts) AS timeouts,
        sum(anomalies) AS anomalies, sum(lock_contention) AS lock_contention, sum(dedup_hits) AS dedup_hits,
        sum(idempotency_hits) AS idempotency_hits, sum(lease_expirations) AS lease_expirations,
-       sum(cancelled) AS cancelled, sum(latency_ms_sum) AS latency_ms_sum, sum(duration_ms_sum) AS duration_ms_sum
+       sum(cancelled) AS cancelled, sum(enqueued) AS enqueued, sum(latency_ms_sum) AS latency_ms_sum, sum(duration_ms_sum) AS duration_ms_sum
 FROM job_metrics_minute
 WHERE minute >= %(since)s
 GROUP BY queue, job_type;
@@ -443,3 +443,43 @@ FROM job_queue
 WHERE state IN ('succeeded', 'failed', 'dead_lettered', 'cancelled') AND finished_at >= %(since)s
 GROUP BY job_type, attempts
 ORDER BY job_type, attempts;
+
+------------------------------------------------------------------------------------------------------
+-- Retention and rollups (maintenance.py), done by whichever worker wins the housekeeping lock.
+------------------------------------------------------------------------------------------------------
+
+-- name: prune_finished
+-- In batches, oldest first, so a large backlog never holds long locks.
+WITH doomed AS (
+    SELECT id FROM job_queue
+    WHERE state = ANY(%(states)s) AND finished_at < %(before)s
+    ORDER BY finished_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM job_queue j USING doomed d WHERE j.id = d.id;
+
+-- name: housekeeping_watermark
+SELECT watermark FROM housekeeping WHERE name = %(name)s;
+
+-- name: housekeeping_set_watermark
+INSERT INTO housekeeping (name, watermark, updated_at) VALUES (%(name)s, %(watermark)s, %(now)s)
+ON CONFLICT (name) DO UPDATE SET watermark = EXCLUDED.watermark, updated_at = EXCLUDED.updated_at;
+
+-- name: oldest_created_at
+SELECT min(created_at) AS at FROM job_queue;
+
+-- name: rollup_enqueued
+INSERT INTO job_metrics_minute AS m (minute, queue, job_type, enqueued)
+SELECT date_trunc('minute', created_at), queue, job_type, count(*)
+FROM job_queue
+WHERE created_at >= %(since)s AND created_at < %(upto)s
+GROUP BY 1, 2, 3
+ORDER BY 1, 2, 3
+ON CONFLICT (minute, queue, job_type) DO UPDATE SET enqueued = m.enqueued + EXCLUDED.enqueued;
+
+-- name: count_dedup_hits
+INSERT INTO job_metrics_minute AS m (minute, queue, job_type, dedup_hits)
+SELECT date_trunc('minute', %(now)s::timestamptz), r.queue, r.job_type, r.n
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(queue text, job_type text, n bigint)
+ON CONFLICT (minute, queue, job_type) DO UPDATE SET dedup_hits = m.dedup_hits + EXCLUDED.dedup_hits;

@@ -1,0 +1,289 @@
+"""The incident console: a thin App that registers the screens (one mode per key), the keys and the
+palette, holds the shared state (backend, clock, outage status) and owns the embedded workers' lifecycle.
+
+Build it with :func:`make_app` (tests inject a fake backend and a fixed clock); :func:`run_console` is what
+``qconsole`` (no subcommand) calls.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from textual import on, work
+from textual.app import App
+from textual.binding import Binding, BindingType
+from textual.reactive import reactive
+
+from qconsole.backend import ConsoleBackend, DatabaseBackend
+from qconsole.commands import ConsoleCommands
+from qconsole.embedded_workers import EmbeddedWorker, EmbeddedWorkers, WorkerLauncher
+from qconsole.messages import EmbeddedWorkerExited
+from qconsole.screens.audit import AuditScreen
+from qconsole.screens.base import ConsoleScreen
+from qconsole.screens.charts import ChartsScreen
+from qconsole.screens.dead_letters import DeadLettersScreen
+from qconsole.screens.help import HelpScreen
+from qconsole.screens.job_detail import JobDetailScreen
+from qconsole.screens.jobs import JobsScreen
+from qconsole.screens.overview import OverviewScreen
+from qconsole.screens.workers import WorkersScreen
+from worker_core import db
+from worker_core.clock import SYSTEM_CLOCK, Clock
+
+DEFAULT_THEME = "textual-dark"
+#: task modules the start-worker form proposes (comma-separated), e.g. "myapp.tasks"
+TASKS_ENV = "QCONSOLE_TASKS"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Over these, an overview row is marked ▲ (and colored)."""
+
+    lag_seconds: float = 60.0
+    dlq_per_min: float = 0.5
+
+
+class QConsoleApp(App[int]):
+    TITLE = "qconsole"
+    CSS_PATH = "app.tcss"
+    COMMANDS = App.COMMANDS | {ConsoleCommands}
+    MODES = {
+        "overview": OverviewScreen,
+        "jobs": JobsScreen,
+        "dead_letters": DeadLettersScreen,
+        "charts": ChartsScreen,
+        "workers": WorkersScreen,
+        "audit": AuditScreen,
+    }
+    BINDINGS = [
+        Binding("o", "show('overview')", "Overview", tooltip="Queues and job types at a glance", id="overview"),
+        Binding("j", "show('jobs')", "Jobs", tooltip="Jobs by state, type and queue; / searches", id="jobs"),
+        Binding("d", "show('dead_letters')", "Dead", tooltip="Dead letters grouped by error", id="dead-letters"),
+        Binding("c", "show('charts')", "Charts", tooltip="Retries, attempts, leases and lag over time", id="charts"),
+        Binding("w", "show('workers')", "Workers", tooltip="Workers; start and stop embedded ones", id="workers"),
+        Binding("a", "show('audit')", "Audit", tooltip="Who did what, when", id="audit"),
+        Binding("question_mark", "help", "Help", key_display="?", tooltip="Every key", id="help"),
+        Binding("q", "quit", "Quit", tooltip="Quit (stops embedded workers)", id="quit"),
+        Binding("ctrl+p", "command_palette", "Palette", id="palette"),
+        Binding("ctrl+r", "reload", "Refresh now", show=False, id="reload"),
+    ]
+
+    #: the last read error, while the database is unreachable; None when reads work
+    db_error: reactive[str | None] = reactive(None)
+    #: when the data on screen was read (clock time)
+    last_ok: reactive[dt.datetime | None] = reactive(None)
+
+    def __init__(
+        self,
+        backend: ConsoleBackend,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        refresh_seconds: float | None = 2.0,
+        theme: str | None = None,
+        read_only: bool = False,
+        launcher: WorkerLauncher | None = None,
+        default_tasks: Sequence[str] = (),
+        default_concurrency: int = 4,
+        thresholds: Thresholds = Thresholds(),
+        cursor_blink: bool = True,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.clock = clock
+        self.refresh_seconds = refresh_seconds
+        self.read_only = read_only
+        self.launcher = launcher
+        self.default_tasks = tuple(default_tasks)
+        self.default_concurrency = default_concurrency
+        self.thresholds = thresholds
+        self.cursor_blink = cursor_blink
+        self.known_queues: list[str] = []
+        self.known_types: list[str] = []
+        self.pending_job_filter: dict[str, Any] | None = None
+        self._requested_theme = theme or DEFAULT_THEME
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def on_mount(self) -> None:
+        try:
+            self.theme = self._requested_theme
+        except Exception:
+            self.theme = DEFAULT_THEME
+            self.notify(f"Unknown theme {self._requested_theme!r}: using {DEFAULT_THEME}.", severity="warning")
+        if self.launcher is not None:
+            self.launcher.set_on_exit(self._embedded_exited)
+        self.switch_mode("overview")
+
+    def on_unmount(self) -> None:
+        if self.launcher is not None:
+            self.launcher.set_on_exit(None)
+            self.launcher.stop_all(timeout=5.0)
+
+    async def action_quit(self) -> None:
+        running = [w for w in self.launcher.workers() if w.running] if self.launcher is not None else []
+        if not running:
+            self.exit(0)
+            return
+        self.notify(f"Stopping {len(running)} embedded worker(s)…", timeout=30)
+        self._stop_workers_and_exit()
+
+    @work(thread=True, exit_on_error=False, group="console-shutdown")
+    def _stop_workers_and_exit(self) -> None:
+        if self.launcher is not None:
+            self.launcher.stop_all(timeout=8.0)
+        self.call_from_thread(self.exit, 0)
+
+    # ---------------------------------------------------------------- shared state
+
+    def note_ok(self) -> None:
+        self.last_ok = self.clock.now()
+        self.db_error = None
+
+    def note_failed(self, error: str) -> None:
+        self.db_error = error
+
+    def refuse_read_only(self, what: str) -> None:
+        self.notify(
+            f"Read-only mode: {what} refused, nothing changed. Restart without --read-only to act.",
+            severity="error",
+            timeout=8,
+            markup=False,
+        )
+
+    # ---------------------------------------------------------------- navigation
+
+    def action_show(self, mode: str) -> None:
+        if self.current_mode != mode:
+            self.switch_mode(mode)
+
+    def action_reload(self) -> None:
+        screen = self.screen
+        if isinstance(screen, ConsoleScreen):
+            screen.reload()
+
+    def action_help(self) -> None:
+        sections: list[tuple[str, str, list[BindingType]]] = [("Everywhere", "", list(self.BINDINGS))]
+        for cls in (*self.MODES.values(), JobDetailScreen):
+            if isinstance(cls, type) and issubclass(cls, ConsoleScreen):
+                sections.append((cls.TITLE_TEXT, cls.HELP, list(cls.BINDINGS)))
+        self.push_screen(HelpScreen(sections))
+
+    def open_jobs(self, **filters: Any) -> None:
+        """The jobs screen with these filters (state, job_type, queue, search)."""
+        if self.current_mode == "jobs":
+            while len(self.screen_stack) > 1:
+                self.pop_screen()
+            screen = self.screen_stack[0]
+            if isinstance(screen, JobsScreen):
+                screen.set_filter(**filters)
+            return
+        self.pending_job_filter = filters
+        self.switch_mode("jobs")
+
+    def request_pause(self, queue: str, pause: bool) -> None:
+        """Pause or resume a queue (with confirmation), from the command palette."""
+
+        def ask() -> None:
+            screen = self.screen
+            if isinstance(screen, OverviewScreen):
+                screen.request_pause(queue, pause)
+
+        if self.current_mode != "overview":
+            self.switch_mode("overview")
+        self.call_after_refresh(ask)
+
+    # ---------------------------------------------------------------- embedded workers
+
+    def _embedded_exited(self, w: EmbeddedWorker, restarting: bool) -> None:
+        """Runs on the launcher's reader thread: hand over to the UI without waiting."""
+        crashed = (w.exit_code or 0) != 0 and not w.stopping
+        last = next((ln for ln in reversed(w.output) if ln and not ln.startswith("[")), "")
+        self.post_message(EmbeddedWorkerExited(w.number, w.pid or 0, w.exit_code or 0, crashed, last, restarting))
+
+    @on(EmbeddedWorkerExited)
+    def _show_embedded_exit(self, m: EmbeddedWorkerExited) -> None:
+        if m.crashed:
+            again = " Restarting it." if m.restarting else ""
+            self.notify(
+                f"Embedded worker #{m.number} (pid {m.pid}) crashed with exit code {m.exit_code}.{again}"
+                + (f"\nLast output: {m.last_line[:160]}" if m.last_line else ""),
+                title="worker crashed",
+                severity="error",
+                timeout=12,
+                markup=False,
+            )
+        else:
+            self.notify(f"Embedded worker #{m.number} (pid {m.pid}) stopped.", markup=False)
+        screen = self.screen
+        if isinstance(screen, WorkersScreen):
+            screen.reload()
+
+
+def make_app(
+    backend: ConsoleBackend,
+    *,
+    clock: Clock = SYSTEM_CLOCK,
+    refresh_seconds: float | None = 2.0,
+    theme: str | None = None,
+    read_only: bool | None = None,
+    launcher: WorkerLauncher | None = None,
+    default_tasks: Sequence[str] = (),
+    default_concurrency: int = 4,
+    thresholds: Thresholds | None = None,
+    cursor_blink: bool = True,
+) -> QConsoleApp:
+    """The console over ``backend``. ``refresh_seconds=None`` switches polling off (tests);
+    ``read_only`` defaults to the backend's."""
+    return QConsoleApp(
+        backend,
+        clock=clock,
+        refresh_seconds=refresh_seconds,
+        theme=theme,
+        read_only=backend.read_only if read_only is None else read_only,
+        launcher=launcher,
+        default_tasks=default_tasks,
+        default_concurrency=default_concurrency,
+        thresholds=thresholds or Thresholds(),
+        cursor_blink=cursor_blink,
+    )
+
+
+def _default_tasks() -> tuple[str, ...]:
+    return tuple(t.strip() for t in os.environ.get(TASKS_ENV, "").split(",") if t.strip())
+
+
+def run_console(
+    dsn: str | None,
+    read_only: bool,
+    refresh: float,
+    theme: str | None,
+    *,
+    launcher: EmbeddedWorkers | None = None,
+    default_tasks: Sequence[str] | None = None,
+) -> int:
+    """Open the console on ``dsn`` (else $QCONSOLE_DSN, $DATABASE_URL, else the embedded server).
+    Returns the exit code. Embedded workers it started are stopped before it returns."""
+    resolved = db.resolve_dsn(dsn)
+    backend = DatabaseBackend(resolved, read_only=read_only)
+    own_launcher = launcher is None and not read_only
+    if own_launcher:
+        launcher = EmbeddedWorkers(resolved)
+    app = make_app(
+        backend,
+        refresh_seconds=refresh,
+        theme=theme,
+        read_only=read_only,
+        launcher=launcher,
+        default_tasks=_default_tasks() if default_tasks is None else default_tasks,
+    )
+    try:
+        code = app.run()
+    finally:
+        if launcher is not None:
+            launcher.stop_all(timeout=8.0)
+        backend.close()
+    return int(code or 0)

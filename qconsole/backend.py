@@ -1,0 +1,219 @@
+"""What the console needs from worker_core, as a Protocol, and the adapter over a real database.
+
+The UI only talks to a :class:`ConsoleBackend`; tests hand it a fake with fixed data. The real one,
+:class:`DatabaseBackend`, calls ``worker_core.stats`` (reading) and ``worker_core.ops`` (operator
+actions) over its own connection: named ``qconsole-console`` in ``pg_stat_activity``, every statement
+bounded by ``statement_timeout``, read-only transactions in ``--read-only`` mode. It is used from worker
+threads, one call at a time (a lock), and reconnects by itself after the connection broke.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import psycopg
+
+from worker_core import db, ops, stats
+from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.errors import ReadOnlyError
+from worker_core.models import ActionResult, AuditEntry, DeadLetterGroup, Job, Overview, WorkerInfo
+
+APPLICATION_NAME = "qconsole-console"
+STATEMENT_TIMEOUT_MS = 3000
+CONNECT_TIMEOUT_S = 3
+#: the states the dead-letters screen groups: what an operator requeues (dead, failed) or kills (retrying)
+DEAD_LETTER_STATES = ("dead_lettered", "failed", "retry_scheduled")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ChartData:
+    """The series behind the charts screen, per minute over the last hour, oldest first."""
+
+    retries: dict[str, list[float]] = field(default_factory=dict)
+    lease_expirations: dict[str, list[float]] = field(default_factory=dict)
+    lag: dict[str, list[float]] = field(default_factory=dict)
+    attempts: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OverviewData:
+    overview: Overview
+    #: average queue latency per minute, per queue (seconds)
+    lag: dict[str, list[float]] = field(default_factory=dict)
+
+
+class ConsoleBackend(Protocol):
+    """Everything the console reads or changes. Methods block: call them from a thread worker."""
+
+    read_only: bool
+
+    @property
+    def description(self) -> str:
+        """Where the data comes from, safe to show (no password)."""
+        ...
+
+    def overview(self) -> OverviewData: ...
+
+    def charts(self) -> ChartData: ...
+
+    def list_jobs(
+        self, *, state: str | None, job_type: str | None, queue: str | None, search: str | None, limit: int
+    ) -> list[Job]: ...
+
+    def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]: ...
+
+    def dead_letter_groups(self) -> list[DeadLetterGroup]: ...
+
+    def group_job_ids(self, group: DeadLetterGroup) -> list[uuid.UUID]: ...
+
+    def workers(self) -> list[WorkerInfo]: ...
+
+    def audit_log(self, limit: int = 200) -> list[AuditEntry]: ...
+
+    def requeue(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult: ...
+
+    def kill(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult: ...
+
+    def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult: ...
+
+    def close(self) -> None: ...
+
+
+def describe_error(exc: BaseException, dsn: str | None = None) -> str:
+    """One line for a banner or a notification, without the DSN's password."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return db.redact(f"{type(exc).__name__}: {text}", dsn)
+
+
+class DatabaseBackend:
+    """The real backend: worker_core.stats and worker_core.ops over one self-healing connection."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        read_only: bool = False,
+        clock: Clock = SYSTEM_CLOCK,
+        statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
+        connect_timeout: int = CONNECT_TIMEOUT_S,
+    ) -> None:
+        self.dsn = dsn
+        self.read_only = read_only
+        self.clock = clock
+        self.statement_timeout_ms = statement_timeout_ms
+        self.connect_timeout = connect_timeout
+        self.actor = ops.Actor.current()
+        self._conn: db.Conn | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def description(self) -> str:
+        return db.redact_dsn(self.dsn)
+
+    # ---------------------------------------------------------------- connection
+
+    def _connection(self) -> db.Conn:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = db.connect(
+                self.dsn,
+                application_name=APPLICATION_NAME,
+                autocommit=True,
+                statement_timeout_ms=self.statement_timeout_ms,
+                read_only=self.read_only,
+                connect_timeout=self.connect_timeout,
+            )
+        return self._conn
+
+    def _call(self, fn: Callable[[db.Conn], T]) -> T:
+        with self._lock:
+            conn = self._connection()
+            try:
+                return fn(conn)
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                # a dead server, a terminated session or a timeout: start from a new connection next time
+                self._drop()
+                raise
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
+    def switch_dsn(self, dsn: str) -> None:
+        """Point at another server (the next call connects to it)."""
+        with self._lock:
+            self.dsn = dsn
+            self._drop()
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    # ---------------------------------------------------------------- reading
+
+    def overview(self) -> OverviewData:
+        def read(conn: db.Conn) -> OverviewData:
+            return OverviewData(stats.overview(conn, self.clock), stats.latency_series(conn, self.clock))
+
+        return self._call(read)
+
+    def charts(self) -> ChartData:
+        def read(conn: db.Conn) -> ChartData:
+            return ChartData(
+                retries=stats.series(conn, "retried", self.clock),
+                lease_expirations=stats.series(conn, "lease_expirations", self.clock),
+                lag=stats.latency_series(conn, self.clock),
+                attempts=stats.attempts_distribution(conn, self.clock),
+            )
+
+        return self._call(read)
+
+    def list_jobs(
+        self, *, state: str | None, job_type: str | None, queue: str | None, search: str | None, limit: int
+    ) -> list[Job]:
+        return self._call(
+            lambda c: stats.list_jobs(c, state=state, job_type=job_type, queue=queue, search=search, limit=limit)
+        )
+
+    def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]:
+        return self._call(lambda c: (stats.get_job(c, job_id), stats.job_lock(c, job_id)))
+
+    def dead_letter_groups(self) -> list[DeadLetterGroup]:
+        return self._call(lambda c: stats.dead_letter_groups(c, states=DEAD_LETTER_STATES))
+
+    def group_job_ids(self, group: DeadLetterGroup) -> list[uuid.UUID]:
+        return self._call(lambda c: ops.group_job_ids(c, group.job_type, group.fingerprint, group.state))
+
+    def workers(self) -> list[WorkerInfo]:
+        return self._call(lambda c: stats.workers(c, self.clock))
+
+    def audit_log(self, limit: int = 200) -> list[AuditEntry]:
+        return self._call(lambda c: stats.audit_log(c, limit))
+
+    # ---------------------------------------------------------------- acting (audited by worker_core.ops)
+
+    def _refuse_if_read_only(self) -> None:
+        if self.read_only:
+            raise ReadOnlyError("read-only mode: operator actions are refused (restart without --read-only)")
+
+    def requeue(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
+        self._refuse_if_read_only()
+        return self._call(lambda c: ops.requeue(c, job_ids, actor=self.actor, reason=reason, clock=self.clock))
+
+    def kill(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
+        self._refuse_if_read_only()
+        return self._call(lambda c: ops.kill(c, job_ids, actor=self.actor, reason=reason, clock=self.clock))
+
+    def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult:
+        self._refuse_if_read_only()
+        return self._call(lambda c: ops.set_paused(c, queue, paused, actor=self.actor, reason=reason, clock=self.clock))

@@ -1,0 +1,267 @@
+"""Worker processes started from the console: ``python -m qconsole worker --tasks ... --queue ...``.
+
+Each one is a child process whose output (stdout and stderr) goes to a ring buffer the console shows
+and to a log file. Nothing here blocks the UI: starting is a ``Popen``, stopping sends SIGTERM and
+returns, and a reader thread per process notices when it ended. A crash (a non-zero exit the console did
+not ask for) is reported through ``on_exit`` and, with ``restart``, the worker is started again with
+backoff. :meth:`EmbeddedWorkers.stop_all` ends them all when the console quits (and at interpreter
+exit, as a last resort).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import datetime as dt
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Protocol
+
+OUTPUT_LINES = 2000
+
+
+@dataclass
+class EmbeddedWorker:
+    """One embedded worker (across its restarts)."""
+
+    number: int
+    tasks: tuple[str, ...]
+    queues: tuple[str, ...]
+    concurrency: int
+    restart: bool = True
+    host: str = field(default_factory=socket.gethostname)
+    log_path: Path | None = None
+    pid: int | None = None
+    started_at: dt.datetime | None = None
+    exit_code: int | None = None
+    restarts: int = 0
+    crashes: int = 0
+    stopping: bool = False
+    output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES))
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.exit_code is None
+
+    @property
+    def status(self) -> str:
+        if self.running:
+            return "stopping" if self.stopping else "running"
+        if self.exit_code is None:
+            return "starting"
+        if self.stopping or self.exit_code == 0:
+            return f"stopped (exit {self.exit_code})"
+        if self.restart:
+            return f"crashed (exit {self.exit_code}), restarting"
+        return f"crashed (exit {self.exit_code})"
+
+    def tail(self, n: int = 200) -> list[str]:
+        return list(self.output)[-n:]
+
+
+class WorkerLauncher(Protocol):
+    """What the console needs to start, stop and watch embedded workers (tests pass a fake)."""
+
+    def start(
+        self, tasks: Sequence[str], queues: Sequence[str] = (), concurrency: int = 4, restart: bool = True
+    ) -> EmbeddedWorker: ...
+
+    def stop(self, number: int) -> None: ...
+
+    def stop_all(self, timeout: float = 8.0) -> None: ...
+
+    def workers(self) -> list[EmbeddedWorker]: ...
+
+    def set_on_exit(self, callback: Callable[[EmbeddedWorker, bool], None] | None) -> None: ...
+
+
+class EmbeddedWorkers:
+    """Starts, restarts and stops worker subprocesses against one database."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        command: Sequence[str] | None = None,
+        log_dir: Path | None = None,
+        shutdown_grace: float = 5.0,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.dsn = dsn
+        self.command = list(command or [sys.executable, "-m", "qconsole", "worker"])
+        self.log_dir = log_dir or Path(tempfile.gettempdir()) / f"qconsole-workers-{os.getuid()}"
+        self.shutdown_grace = shutdown_grace
+        self.extra_args = list(extra_args)
+        self.env = env
+        self._workers: dict[int, EmbeddedWorker] = {}
+        self._lock = threading.Lock()
+        self._next = 1
+        self._closed = False
+        self._on_exit: Callable[[EmbeddedWorker, bool], None] | None = None
+        atexit.register(self.stop_all, 3.0)
+
+    def set_on_exit(self, callback: Callable[[EmbeddedWorker, bool], None] | None) -> None:
+        """``callback(worker, restarting)`` runs on a reader thread when a process ends."""
+        self._on_exit = callback
+
+    def workers(self) -> list[EmbeddedWorker]:
+        with self._lock:
+            return list(self._workers.values())
+
+    def get(self, number: int) -> EmbeddedWorker | None:
+        with self._lock:
+            return self._workers.get(number)
+
+    # ---------------------------------------------------------------- starting
+
+    def start(
+        self, tasks: Sequence[str], queues: Sequence[str] = (), concurrency: int = 4, restart: bool = True
+    ) -> EmbeddedWorker:
+        tasks = tuple(t.strip() for t in tasks if t.strip())
+        if not tasks:
+            raise ValueError("give at least one task module")
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the console is shutting down")
+            number = self._next
+            self._next += 1
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            w = EmbeddedWorker(
+                number=number,
+                tasks=tasks,
+                queues=tuple(q.strip() for q in queues if q.strip()),
+                concurrency=concurrency,
+                restart=restart,
+                log_path=self.log_dir / f"worker-{os.getpid()}-{number}.log",
+            )
+            self._workers[number] = w
+        self._spawn(w)
+        return w
+
+    def argv(self, w: EmbeddedWorker) -> list[str]:
+        args = [*self.command, "--tasks", ",".join(w.tasks), "--concurrency", str(w.concurrency)]
+        for q in w.queues:
+            args += ["--queue", q]
+        args += ["--shutdown-grace", f"{self.shutdown_grace:g}", *self.extra_args]
+        return args
+
+    def _spawn(self, w: EmbeddedWorker) -> None:
+        env = dict(self.env if self.env is not None else os.environ)
+        # the DSN goes through the environment, never the command line (``ps`` shows that to everyone)
+        env["QCONSOLE_DSN"] = self.dsn
+        env["PYTHONUNBUFFERED"] = "1"
+        env.pop("NO_COLOR", None)
+        argv = self.argv(w)
+        w.output.append(f"$ {' '.join(argv)}")
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                close_fds=True,
+            )
+        except OSError as e:
+            w.output.append(f"could not start: {e}")
+            w.exit_code = 127
+            w.restart = False
+            self._notify(w, False)
+            return
+        w.proc, w.pid, w.exit_code, w.stopping = proc, proc.pid, None, False
+        w.started_at = dt.datetime.now(dt.timezone.utc)
+        threading.Thread(target=self._read, args=(w, proc), name=f"embedded-worker-{w.number}", daemon=True).start()
+
+    # ---------------------------------------------------------------- watching
+
+    def _read(self, w: EmbeddedWorker, proc: subprocess.Popen[bytes]) -> None:
+        log: IO[str] | None = None
+        try:
+            assert w.log_path is not None
+            log = w.log_path.open("a", encoding="utf-8")
+        except OSError:
+            log = None
+        try:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                w.output.append(line)
+                if log is not None:
+                    log.write(line + "\n")
+                    log.flush()
+        finally:
+            code = proc.wait()
+            if log is not None:
+                log.close()
+        with self._lock:
+            if w.proc is not proc:
+                return
+            w.exit_code = code
+            crashed = code != 0 and not w.stopping
+            if crashed:
+                w.crashes += 1
+            restarting = crashed and w.restart and not self._closed
+        w.output.append(f"[exited with code {code}{'' if not crashed else ': crashed'}]")
+        self._notify(w, restarting)
+        if restarting:
+            # back off when it keeps dying: 1s, 2s, 4s... up to 30s
+            time.sleep(min(30.0, 2.0 ** min(w.crashes - 1, 5)))
+            with self._lock:
+                go = not self._closed and not w.stopping and w.proc is proc
+            if go:
+                w.restarts += 1
+                w.output.append(f"[restart {w.restarts}]")
+                self._spawn(w)
+
+    def _notify(self, w: EmbeddedWorker, restarting: bool) -> None:
+        cb = self._on_exit
+        if cb is not None:
+            # the UI may be gone or going: then there is nobody to tell
+            with contextlib.suppress(Exception):
+                cb(w, restarting)
+
+    # ---------------------------------------------------------------- stopping
+
+    def stop(self, number: int) -> None:
+        """Ask one worker to stop (SIGTERM: it finishes or releases its jobs). Returns at once."""
+        w = self.get(number)
+        if w is None:
+            raise KeyError(f"no embedded worker #{number}")
+        w.stopping = True
+        if w.running and w.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.send_signal(signal.SIGTERM)
+
+    def stop_all(self, timeout: float = 8.0) -> None:
+        """Stop every worker: SIGTERM, wait up to ``timeout`` seconds, then SIGKILL what is left."""
+        with self._lock:
+            self._closed = True
+            workers = list(self._workers.values())
+        for w in workers:
+            w.stopping = True
+            if w.running and w.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for w in workers:
+            if w.proc is None:
+                continue
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait(5)

@@ -1,0 +1,59 @@
+"""Messages that thread workers post back to the UI: small dataclasses, handled with ``@on(...)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from textual.message import Message
+
+from worker_core.models import ActionResult
+
+
+@dataclass
+class DataFetched(Message):
+    """A screen's read finished: ``data`` is what its ``fetch`` returned."""
+
+    data: Any
+
+    def can_replace(self, message: Message) -> bool:
+        # a newer read makes an older one that is still queued worthless
+        return isinstance(message, DataFetched)
+
+
+@dataclass
+class FetchFailed(Message):
+    """A read failed: the database is slow or unreachable. ``error`` is safe to show."""
+
+    error: str
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, FetchFailed)
+
+
+@dataclass
+class ActionDone(Message):
+    """An operator action committed (and was audited)."""
+
+    result: ActionResult
+    summary: str
+
+
+@dataclass
+class ActionFailed(Message):
+    """An operator action was refused or failed; nothing changed."""
+
+    action: str
+    error: str
+
+
+@dataclass
+class EmbeddedWorkerExited(Message):
+    """An embedded worker process ended: stopped by the console, or crashed."""
+
+    number: int
+    pid: int
+    exit_code: int
+    crashed: bool
+    last_line: str
+    restarting: bool

@@ -1,0 +1,101 @@
+"""``a`` Audit log: every operator action, who did it and from where, newest first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.widgets import DataTable, Static
+
+from qconsole.backend import ConsoleBackend
+from qconsole.screens.base import ConsoleScreen
+from qconsole.widgets import fmt
+from qconsole.widgets.table import LiveTable, cell
+from worker_core.models import AuditEntry
+
+COLUMNS = [
+    ("at", "when (UTC)", None),
+    ("who", "who", None),
+    ("action", "action", None),
+    ("target", "target", None),
+    ("detail", "detail", None),
+]
+LIMIT = 200
+
+
+def target(e: AuditEntry) -> str:
+    if e.queue:
+        return f"queue {e.queue}"
+    return f"{len(e.job_ids)} job(s)"
+
+
+def detail(e: AuditEntry) -> str:
+    parts = [f"{k}={v}" for k, v in sorted(e.detail.items()) if k != "payload"]
+    if "payload" in e.detail:
+        parts.append("payload replaced")
+    if e.reason:
+        parts.insert(0, f"reason: {e.reason}")
+    return " ".join(parts)
+
+
+class AuditScreen(ConsoleScreen):
+    TITLE_TEXT = "Audit log"
+    HELP = "Operator actions from the console and the CLI, with the OS user and SSH client."
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.entries: list[AuditEntry] = []
+
+    def compose_body(self) -> ComposeResult:
+        yield Static(id="audit-summary", classes="summary")
+        yield LiveTable(COLUMNS, id="audit-table")
+        yield Static(id="audit-detail", classes="detail")
+
+    def on_mount(self) -> None:
+        self.query_one(LiveTable).focus()
+
+    def fetch(self, backend: ConsoleBackend) -> list[AuditEntry]:
+        return backend.audit_log(LIMIT)
+
+    def show(self, data: list[AuditEntry]) -> None:
+        self.entries = data
+        wide = self.size.width >= 100
+        rows = [
+            (
+                str(e.id),
+                [
+                    cell(fmt.stamp(e.at).replace(" UTC", "")[5 if not wide else 0 :]),
+                    cell(fmt.clip(str(e.os_user) + (f"@{e.ssh_client}" if e.ssh_client else ""), 24 if wide else 14)),
+                    cell(e.action, style="bold"),
+                    cell(target(e)),
+                    cell(fmt.clip(detail(e), 60 if wide else 24)),
+                ],
+            )
+            for e in data
+        ]
+        self.query_one(LiveTable).set_rows(rows)
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append(f" {len(data)} entr{'y' if len(data) == 1 else 'ies'}", style="bold")
+        t.append(" │ newest first │ written in the same transaction as the change")
+        self.query_one("#audit-summary", Static).update(t)
+        self._paint_detail()
+
+    @on(DataTable.RowHighlighted)
+    def _highlighted(self, _event: DataTable.RowHighlighted) -> None:
+        self._paint_detail()
+
+    def _paint_detail(self) -> None:
+        key = self.query_one(LiveTable).cursor_key
+        e = next((x for x in self.entries if str(x.id) == key), None)
+        out = self.query_one("#audit-detail", Static)
+        if e is None:
+            out.update(Text(" no operator action recorded yet" if not self.entries else ""))
+            return
+        t = Text()
+        t.append(f" #{e.id} {e.action}", style="bold")
+        t.append(f" by {e.os_user}" + (f" from {e.ssh_client}" if e.ssh_client else "") + f" at {fmt.stamp(e.at)}\n")
+        ids = ", ".join(fmt.short_id(i) for i in e.job_ids[:8]) + (" …" if len(e.job_ids) > 8 else "")
+        t.append(f" {target(e)}{': ' + ids if ids else ''} │ {detail(e) or 'no detail'}")
+        out.update(t)

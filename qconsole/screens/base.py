@@ -1,0 +1,189 @@
+"""What every console screen shares: reading off the UI thread without overlap, and confirmed actions.
+
+A screen implements ``fetch(backend)`` (runs in a thread worker, may block) and ``show(data)`` (runs on
+the UI thread). The next read is scheduled with ``set_timer`` only when the previous one finished, so a
+slow database never stacks reads; a failed read shows the outage banner and is retried the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.screen import Screen
+from textual.timer import Timer
+from textual.worker import Worker, WorkerState
+
+from qconsole.backend import ConsoleBackend, describe_error
+from qconsole.messages import ActionDone, ActionFailed, DataFetched, FetchFailed
+from qconsole.widgets.chrome import OutageBanner, TitleBar
+from qconsole.widgets.keys import KeyLine
+from worker_core.models import ActionResult
+
+if TYPE_CHECKING:
+    from qconsole.app import QConsoleApp
+
+READ_GROUP = "console-read"
+ACTION_GROUP = "console-action"
+#: while the database is unreachable, retry no faster than this
+OUTAGE_RETRY_SECONDS = 2.0
+
+
+class ConsoleScreen(Screen[None]):
+    """A screen of the console: title bar, outage banner, body, footer."""
+
+    TITLE_TEXT: ClassVar[str] = ""
+    HELP: ClassVar[str] = ""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._timer: Timer | None = None
+        self._reading = False
+        self._again = False
+        self._active = False
+
+    @property
+    def qapp(self) -> QConsoleApp:
+        return cast("QConsoleApp", self.app)
+
+    def compose(self) -> ComposeResult:
+        yield TitleBar(self.TITLE_TEXT)
+        yield OutageBanner()
+        yield from self.compose_body()
+        yield KeyLine("screen")
+        yield KeyLine("app")
+
+    def compose_body(self) -> ComposeResult:
+        yield from ()
+
+    # ---------------------------------------------------------------- reading
+
+    def fetch(self, backend: ConsoleBackend) -> Any:
+        """Runs in a thread worker: read what the screen shows."""
+        return None
+
+    def show(self, data: Any) -> None:
+        """Runs on the UI thread with what ``fetch`` returned."""
+
+    def on_screen_resume(self) -> None:
+        self._active = True
+        self.reload()
+
+    def on_screen_suspend(self) -> None:
+        self._active = False
+        self._cancel_timer()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+
+    def reload(self) -> None:
+        """Read now, unless a read is running (then read again as soon as it finishes)."""
+        self._cancel_timer()
+        if self._reading:
+            self._again = True
+            return
+        self._reading = True
+        self._read()
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group=READ_GROUP, description="console read")
+    def _read(self) -> None:
+        backend = self.qapp.backend
+        try:
+            data = self.fetch(backend)
+        except Exception as e:
+            self.post_message(FetchFailed(describe_error(e)))
+            return
+        self.post_message(DataFetched(data))
+
+    @on(DataFetched)
+    def _fetched(self, message: DataFetched) -> None:
+        message.stop()
+        self.qapp.note_ok()
+        self.show(message.data)
+
+    @on(FetchFailed)
+    def _failed(self, message: FetchFailed) -> None:
+        message.stop()
+        self.qapp.note_failed(message.error)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.group != READ_GROUP:
+            return
+        if event.state not in (WorkerState.SUCCESS, WorkerState.ERROR, WorkerState.CANCELLED):
+            return
+        self._reading = False
+        if self._again:
+            self._again = False
+            self.reload()
+            return
+        interval = self.qapp.refresh_seconds
+        if interval is None or not self._active:
+            return
+        if self.qapp.db_error is not None:
+            interval = max(interval, OUTAGE_RETRY_SECONDS)
+        self._timer = self.set_timer(interval, self.reload, name="console-refresh")
+
+    # ---------------------------------------------------------------- acting
+
+    def act(
+        self,
+        name: str,
+        question: str,
+        details: str,
+        fn: Callable[[ConsoleBackend], ActionResult],
+        summary: Callable[[ActionResult], str],
+        touches: int,
+    ) -> None:
+        """Refuse in read-only mode; else ask for confirmation, then run ``fn`` in a thread worker."""
+        if self.qapp.read_only:
+            self.qapp.refuse_read_only(name)
+            return
+        if touches <= 0:
+            self.notify(f"Nothing to {name}: {details}", severity="warning", markup=False)
+            return
+        from qconsole.screens.confirm import ConfirmScreen
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._act(name, fn, summary)
+            else:
+                self.notify(f"{name.capitalize()} cancelled: nothing changed.", markup=False)
+
+        self.app.push_screen(ConfirmScreen(question, details, action=name), answered)
+
+    @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="console action")
+    def _act(
+        self, name: str, fn: Callable[[ConsoleBackend], ActionResult], summary: Callable[[ActionResult], str]
+    ) -> None:
+        try:
+            result = fn(self.qapp.backend)
+        except Exception as e:
+            self.post_message(ActionFailed(name, describe_error(e)))
+            return
+        self.post_message(ActionDone(result, summary(result)))
+
+    @on(ActionDone)
+    def _action_done(self, message: ActionDone) -> None:
+        message.stop()
+        audit = f" (audit #{message.result.audit_id})" if message.result.audit_id is not None else ""
+        self.notify(message.summary + audit, title=message.result.action, markup=False)
+        self.after_action(message.result)
+        self.reload()
+
+    @on(ActionFailed)
+    def _action_failed(self, message: ActionFailed) -> None:
+        message.stop()
+        self.notify(
+            f"{message.action} failed, nothing changed: {message.error}",
+            severity="error",
+            timeout=10,
+            markup=False,
+        )
+        self.reload()
+
+    def after_action(self, result: ActionResult) -> None:
+        """Hook: clear marks and the like."""

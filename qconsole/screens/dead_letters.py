@@ -1,0 +1,211 @@
+"""``d`` Dead letters: grouped by job type and error fingerprint. ``space`` marks, ``r`` requeues, ``K`` kills.
+
+Groups of dead-lettered and failed jobs are what an operator requeues once the cause is fixed; groups of
+jobs still retrying with the same error are what an operator kills (cancelled, never retried) when the
+cause will not go away. Both act on the marked groups, or the group under the cursor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.widgets import DataTable, Static
+
+from qconsole.backend import ConsoleBackend
+from qconsole.screens.base import ConsoleScreen
+from qconsole.widgets import fmt
+from qconsole.widgets.table import LiveTable, cell
+from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, ActionResult, DeadLetterGroup
+
+MARK = "●"
+COLUMNS = [
+    ("mark", "", 2),
+    ("state", "state", None),
+    ("type", "job type", None),
+    ("n", "jobs", None),
+    ("first", "first", None),
+    ("last", "last", None),
+    ("error", "error fingerprint", None),
+]
+REQUEUEABLE = {s.value for s in REQUEUEABLE_STATES}
+KILLABLE = {s.value for s in KILLABLE_STATES}
+PAST = {"requeue": "Requeued", "kill": "Killed"}
+
+
+def group_key(g: DeadLetterGroup) -> str:
+    return f"{g.state}\x1f{g.job_type}\x1f{g.fingerprint}"
+
+
+class DeadLettersScreen(ConsoleScreen):
+    TITLE_TEXT = "Dead letters"
+    HELP = "Dead-lettered, failed and still-retrying jobs, grouped by type and error fingerprint."
+
+    BINDINGS = [
+        Binding("space", "mark", "Mark"),
+        Binding("r", "requeue", "Requeue"),
+        Binding("K", "kill", "Kill"),
+        Binding("e", "show_error", "Error+payload"),
+    ]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.groups: list[DeadLetterGroup] = []
+        self.marked: set[str] = set()
+
+    def compose_body(self) -> ComposeResult:
+        yield Static(id="dl-summary", classes="summary")
+        yield LiveTable(COLUMNS, id="dl-table")
+        yield Static(id="dl-detail", classes="detail")
+
+    def on_mount(self) -> None:
+        self.query_one(LiveTable).focus()
+
+    def fetch(self, backend: ConsoleBackend) -> list[DeadLetterGroup]:
+        return backend.dead_letter_groups()
+
+    def show(self, data: list[DeadLetterGroup]) -> None:
+        self.groups = data
+        keys = {group_key(g) for g in data}
+        self.marked &= keys
+        self._paint()
+
+    def _paint(self) -> None:
+        now = self.qapp.clock.now()
+        wide = self.size.width >= 100
+        rows = []
+        for g in self.groups:
+            key = group_key(g)
+            rows.append(
+                (
+                    key,
+                    [
+                        cell(MARK if key in self.marked else " ", style="bold"),
+                        cell(fmt.state_label(g.state)),
+                        cell(fmt.clip(g.job_type, 28 if wide else 14)),
+                        cell(g.count, right=True),
+                        cell(fmt.ago(g.first_seen, now).replace(" ago", ""), right=True),
+                        cell(fmt.ago(g.last_seen, now).replace(" ago", ""), right=True),
+                        cell(fmt.clip(g.fingerprint, 70 if wide else 30)),
+                    ],
+                )
+            )
+        self.query_one(LiveTable).set_rows(rows)
+        self._paint_summary()
+        self._paint_detail()
+
+    def _paint_summary(self) -> None:
+        t = Text(no_wrap=True, overflow="ellipsis")
+        dead = sum(g.count for g in self.groups if g.state in REQUEUEABLE)
+        retrying = sum(g.count for g in self.groups if g.state not in REQUEUEABLE)
+        t.append(f" {len(self.groups)} group(s)", style="bold")
+        t.append(f" │ {dead} dead/failed │ {retrying} retrying")
+        marked = self.targets() if self.marked else []
+        if marked:
+            t.append(f" │ {MARK} {len(marked)} marked ({sum(g.count for g in marked)} jobs)", style="bold")
+        else:
+            t.append(" │ space marks; r/K act on marks or cursor")
+        self.query_one("#dl-summary", Static).update(t)
+
+    def current(self) -> DeadLetterGroup | None:
+        key = self.query_one(LiveTable).cursor_key
+        return next((g for g in self.groups if group_key(g) == key), None)
+
+    @on(DataTable.RowHighlighted)
+    def _highlighted(self, _event: DataTable.RowHighlighted) -> None:
+        self._paint_detail()
+
+    def _paint_detail(self) -> None:
+        g = self.current()
+        detail = self.query_one("#dl-detail", Static)
+        if g is None:
+            detail.update(Text(" no dead letters" if not self.groups else ""))
+            return
+        now = self.qapp.clock.now()
+        t = Text()
+        t.append(f" {g.job_type}", style="bold")
+        t.append(f" · {g.count} {g.state} · first {fmt.stamp(g.first_seen)} · last {fmt.ago(g.last_seen, now)}\n")
+        t.append(" latest: ", style="bold")
+        t.append(fmt.clip(g.sample_error, 400))
+        detail.update(t)
+
+    # ---------------------------------------------------------------- marking and acting
+
+    def targets(self) -> list[DeadLetterGroup]:
+        """The marked groups, or the group under the cursor."""
+        if self.marked:
+            return [g for g in self.groups if group_key(g) in self.marked]
+        g = self.current()
+        return [g] if g is not None else []
+
+    def action_mark(self) -> None:
+        g = self.current()
+        if g is None:
+            return
+        key = group_key(g)
+        self.marked ^= {key}
+        self._paint()
+        table = self.query_one(LiveTable)
+        if table.cursor_row < table.row_count - 1:
+            table.move_cursor(row=table.cursor_row + 1)
+
+    def after_action(self, result: ActionResult) -> None:
+        self.marked.clear()
+
+    def _describe(self, groups: list[DeadLetterGroup]) -> str:
+        lines = [fmt.clip(f"{g.count:>6}  {g.job_type}: {g.fingerprint}", 58) for g in groups[:5]]
+        if len(groups) > 5:
+            lines.append(f"  ... and {len(groups) - 5} more group(s)")
+        return "\n".join(lines)
+
+    def _run_on_groups(self, name: str, allowed: set[str], verb: str, why_not: str) -> None:
+        targets = self.targets()
+        if not targets:
+            self.notify("No group under the cursor.", severity="warning")
+            return
+        ok = [g for g in targets if g.state in allowed]
+        skipped = [g for g in targets if g.state not in allowed]
+        n = sum(g.count for g in ok)
+        details = self._describe(ok)
+        if skipped:
+            details += f"\nSkipped: {len(skipped)} group(s) ({sum(g.count for g in skipped)} jobs) {why_not}."
+        if not ok:
+            details = f"the selected group(s) {why_not}"
+
+        def run(backend: ConsoleBackend) -> ActionResult:
+            ids = [i for g in ok for i in backend.group_job_ids(g)]
+            return backend.requeue(ids) if name == "requeue" else backend.kill(ids)
+
+        self.act(
+            name,
+            f"{verb} {n} job(s) in {len(ok)} group(s)?",
+            details,
+            run,
+            lambda r: (
+                f"{PAST[name]} {r.count} job(s)."
+                + (f" {len(r.skipped)} skipped: they changed state meanwhile." if r.skipped else "")
+            ),
+            touches=n,
+        )
+
+    def action_requeue(self) -> None:
+        self._run_on_groups("requeue", REQUEUEABLE, "Requeue", "are still retrying: kill them instead")
+
+    def action_kill(self) -> None:
+        self._run_on_groups("kill", KILLABLE, "Kill", "are already dead or failed: requeue them instead")
+
+    @on(DataTable.RowSelected)
+    def _row_selected(self, _event: DataTable.RowSelected) -> None:
+        self.action_show_error()
+
+    def action_show_error(self) -> None:
+        g = self.current()
+        if g is None or not g.job_ids:
+            return
+        from qconsole.screens.job_detail import JobDetailScreen
+
+        note = f"Latest of {g.count} {g.state} job(s) in group: {g.fingerprint}"
+        self.app.push_screen(JobDetailScreen(g.job_ids[0], note=note))

@@ -1,0 +1,190 @@
+"""Job detail: envelope, payload as pretty JSON, every attempt's error, timestamps, lease and lock."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from qconsole.backend import ConsoleBackend
+from qconsole.screens.base import ConsoleScreen
+from qconsole.widgets import fmt
+from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, Job
+
+
+def _kv(rows: list[tuple[str, Any]]) -> Table:
+    table = Table.grid(padding=(0, 1))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for k, v in rows:
+        table.add_row(k, v if isinstance(v, Text) else Text("-" if v is None or v == "" else str(v)))
+    return table
+
+
+def _section(title: str) -> Text:
+    return Text(f"── {title} ", style="bold")
+
+
+class JobDetailScreen(ConsoleScreen):
+    TITLE_TEXT = "Job"
+    HELP = "One job: envelope, payload, every attempt's error, lease and lock."
+
+    BINDINGS = [
+        Binding("escape", "back", "Back"),
+        Binding("r", "requeue", "Requeue"),
+        Binding("K", "kill", "Kill"),
+    ]
+
+    def __init__(self, job_id: uuid.UUID, note: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.job_id = job_id
+        self.note = note
+        self.job: Job | None = None
+
+    def compose_body(self) -> ComposeResult:
+        with VerticalScroll(id="job-scroll"):
+            yield Static(Text(f" loading job {self.job_id}…"), id="job-body")
+
+    def on_mount(self) -> None:
+        self.query_one("#job-scroll").focus()
+
+    def fetch(self, backend: ConsoleBackend) -> tuple[Job, dict[str, Any] | None]:
+        return backend.get_job(self.job_id)
+
+    def show(self, data: tuple[Job, dict[str, Any] | None]) -> None:
+        job, lock = data
+        self.job = job
+        self.query_one("#job-body", Static).update(self.render_job(job, lock))
+
+    def render_job(self, job: Job, lock: dict[str, Any] | None) -> RenderableType:
+        now = self.qapp.clock.now()
+        parts: list[RenderableType] = []
+        head = Text()
+        head.append(f"{fmt.state_label(job.state.value)}", style="bold reverse")
+        head.append(f"  {job.job_type} @ {job.queue}  attempt {job.attempts}/{job.max_attempts}", style="bold")
+        if job.cancel_requested:
+            head.append("  kill requested", style="bold")
+        parts.append(head)
+        if self.note:
+            parts.append(Text(self.note, style="italic"))
+
+        # lease and lock first: during an incident that is what matters for a running job
+        lease: Text | str = "-"
+        if job.state.value == "running" and job.locked_until is not None:
+            left = (fmt.utc(job.locked_until) - now).total_seconds()  # type: ignore[operator]
+            if left >= 0:
+                lease = Text(f"ends in {fmt.duration(left)} ({fmt.hms(job.locked_until)} UTC), held by {job.locked_by}")
+            else:
+                lease = Text(
+                    f"EXPIRED {fmt.duration(-left)} ago (held by {job.locked_by}): another worker may reclaim it",
+                    style="bold",
+                )
+        lock_text: Text | str = "-"
+        if lock:
+            lock_text = Text(
+                f"{lock['lock_key']} held, expires {fmt.ago(lock['expires_at'], now)} (token {str(lock['token'])[:8]})"
+            )
+        elif job.lock_key:
+            lock_text = Text(f"{job.lock_key} (not held now)")
+        parts.append(_section("lease and lock"))
+        parts.append(_kv([("lease", lease), ("lock", lock_text)]))
+
+        parts.append(_section("envelope"))
+        rp = job.retry_policy or {}
+        parts.append(
+            _kv(
+                [
+                    ("id", str(job.id)),
+                    ("type / queue", f"{job.job_type} / {job.queue}"),
+                    ("priority", job.priority),
+                    ("idempotency key", job.idempotency_key),
+                    ("dedup key", job.dedup_key),
+                    ("lock key", job.lock_key),
+                    ("timeout", f"{job.timeout_seconds:g}s, lease {job.visibility_timeout_seconds:g}s"),
+                    ("retry policy", " ".join(f"{k}={v}" for k, v in sorted(rp.items())) or "-"),
+                    ("tenant / trace", f"{job.tenant_id or '-'} / {job.trace_id or '-'}"),
+                    ("lease expirations", job.lease_expirations),
+                ]
+            )
+        )
+        parts.append(_section("timestamps (UTC)"))
+
+        def when(t: Any) -> str:
+            return "-" if t is None else f"{fmt.stamp(t)}  ({fmt.ago(t, now)})"
+
+        parts.append(
+            _kv(
+                [
+                    ("created", when(job.created_at)),
+                    ("scheduled", when(job.scheduled_at)),
+                    ("started", when(job.started_at)),
+                    ("finished", when(job.finished_at)),
+                    ("updated", when(job.updated_at)),
+                ]
+            )
+        )
+        parts.append(_section(f"errors ({len(job.errors)} attempt(s) failed)"))
+        if job.errors:
+            table = Table(box=None, padding=(0, 1), show_edge=False, expand=True)
+            table.add_column("#", justify="right", no_wrap=True)
+            table.add_column("kind", no_wrap=True)
+            table.add_column("error", ratio=1, overflow="fold")
+            table.add_column("worker / when", no_wrap=False, max_width=28)
+            for e in job.errors:
+                table.add_row(
+                    str(e.attempt),
+                    e.kind,
+                    Text(f"{e.error_class}: {e.message}"),
+                    Text(f"{e.worker or '-'}\n{fmt.hms(e.at)} UTC"),
+                )
+            parts.append(table)
+        else:
+            parts.append(Text("none"))
+        parts.append(_section("payload"))
+        theme = "ansi_dark" if self.app.current_theme.dark else "ansi_light"
+        parts.append(Syntax(fmt.pretty_json(job.payload), "json", theme=theme, background_color="default"))
+        return Group(*parts)
+
+    # ---------------------------------------------------------------- actions
+
+    def action_back(self) -> None:
+        self.dismiss()
+
+    def action_requeue(self) -> None:
+        job = self.job
+        if job is None:
+            return
+        ok = job.state in REQUEUEABLE_STATES
+        self.act(
+            "requeue",
+            f"Requeue job {fmt.short_id(job.id)} ({job.job_type})?",
+            f"Touches 1 job: {job.state.value} -> queued with 1 fresh attempt." if ok
+            else f"it is {job.state.value}; only dead-lettered, failed or cancelled jobs can be requeued.",
+            lambda b: b.requeue([job.id]),
+            lambda r: f"Requeued {r.count} job(s)." + (" It changed state meanwhile: skipped." if r.skipped else ""),
+            touches=1 if ok else 0,
+        )  # fmt: skip
+
+    def action_kill(self) -> None:
+        job = self.job
+        if job is None:
+            return
+        ok = job.state in KILLABLE_STATES and not job.cancel_requested
+        how = "its worker stops it within a heartbeat" if job.state.value == "running" else "now"
+        self.act(
+            "kill",
+            f"Kill job {fmt.short_id(job.id)} ({job.job_type})?",
+            f"Touches 1 job: {job.state.value} -> cancelled ({how}). Never retried." if ok
+            else f"it is {job.state.value}; only waiting or running jobs can be killed.",
+            lambda b: b.kill([job.id]),
+            lambda r: f"Killed {r.count} job(s)." + (" It changed state meanwhile: skipped." if r.skipped else ""),
+            touches=1 if ok else 0,
+        )  # fmt: skip

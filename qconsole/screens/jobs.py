@@ -1,0 +1,208 @@
+"""``j`` Jobs: filtered by state, type and queue; ``/`` searches ids, keys and error text; ``enter`` opens one."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.css.query import NoMatches
+from textual.widgets import DataTable, Input, Select, Static
+
+from qconsole.backend import ConsoleBackend
+from qconsole.screens.base import ConsoleScreen
+from qconsole.widgets import fmt
+from qconsole.widgets.table import LiveTable, cell
+from worker_core.models import Job, JobState
+
+LIMIT = 200
+COLUMNS = [
+    ("id", "id", None),
+    ("state", "state", None),
+    ("type", "job type", None),
+    ("queue", "queue", None),
+    ("att", "att", None),
+    ("updated", "updated", None),
+    ("error", "last error", None),
+]
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    state: str | None = None
+    job_type: str | None = None
+    queue: str | None = None
+    search: str | None = None
+
+    def describe(self) -> str:
+        parts = [
+            f"state={self.state}" if self.state else "",
+            f"type={self.job_type}" if self.job_type else "",
+            f"queue={self.queue}" if self.queue else "",
+            f"search={self.search!r}" if self.search else "",
+        ]
+        return " ".join(p for p in parts if p) or "all jobs"
+
+
+class JobsScreen(ConsoleScreen):
+    TITLE_TEXT = "Jobs"
+    HELP = "Newest activity first. Filters: state, type, queue; / searches ids, keys and error text."
+
+    BINDINGS = [
+        Binding("slash", "search", "Search", key_display="/"),
+        Binding("enter", "open", "Open job"),
+        Binding("escape", "leave_filters", "Table", show=False),
+    ]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.filter = JobFilter()
+        self.jobs: list[Job] = []
+        self._option_values: dict[str, list[str]] = {}
+
+    def compose_body(self) -> ComposeResult:
+        with Horizontal(id="jobs-filters"):
+            yield Select(
+                [(f"{fmt.state_label(s.value)}", s.value) for s in JobState],
+                prompt="any state",
+                id="f-state",
+                compact=True,
+            )
+            yield Select([], prompt="any type", id="f-type", compact=True)
+            yield Select([], prompt="any queue", id="f-queue", compact=True)
+            yield Input(placeholder="/ id, key or error text", id="f-search", compact=True)
+        yield Static(id="jobs-status", classes="summary")
+        yield LiveTable(COLUMNS, id="jobs-table")
+
+    def on_mount(self) -> None:
+        self.query_one("#f-search", Input).cursor_blink = self.qapp.cursor_blink
+        self.query_one(LiveTable).focus()
+        self._sync_widgets()
+
+    def on_screen_resume(self) -> None:
+        pending = self.qapp.pending_job_filter
+        if pending is not None:
+            self.qapp.pending_job_filter = None
+            self.filter = JobFilter(**pending)
+            self._sync_widgets()
+        super().on_screen_resume()
+
+    # ---------------------------------------------------------------- filters
+
+    def _options(self, select_id: str, values: list[str]) -> None:
+        if self._option_values.get(select_id) == values:
+            return
+        select: Select[str] = self.query_one(select_id, Select)
+        keep = select.value
+        select.set_options([(v, v) for v in values])
+        self._option_values[select_id] = values
+        if isinstance(keep, str) and keep in values:
+            select.value = keep
+
+    def _refresh_options(self) -> None:
+        f = self.filter
+        types = sorted(set(self.qapp.known_types) | ({f.job_type} if f.job_type else set()))
+        queues = sorted(set(self.qapp.known_queues) | ({f.queue} if f.queue else set()))
+        self._options("#f-type", types)
+        self._options("#f-queue", queues)
+
+    def _sync_widgets(self) -> None:
+        """Put ``self.filter`` into the filter widgets (Changed events that follow find nothing new)."""
+        try:
+            f = self.filter
+            self._refresh_options()
+            self.query_one("#f-state", Select).value = f.state or Select.NULL
+            self.query_one("#f-type", Select).value = f.job_type or Select.NULL
+            self.query_one("#f-queue", Select).value = f.queue or Select.NULL
+            self.query_one("#f-search", Input).value = f.search or ""
+        except NoMatches:
+            pass
+
+    def _read_widgets(self) -> JobFilter:
+        def val(select_id: str) -> str | None:
+            v = self.query_one(select_id, Select).value
+            return v if isinstance(v, str) else None
+
+        search = self.query_one("#f-search", Input).value.strip() or None
+        return JobFilter(val("#f-state"), val("#f-type"), val("#f-queue"), search)
+
+    @on(Select.Changed)
+    def _filter_changed(self, _event: Select.Changed) -> None:
+        new = self._read_widgets()
+        if new != self.filter:
+            self.filter = new
+            self.reload()
+
+    @on(Input.Submitted, "#f-search")
+    def _search_submitted(self, _event: Input.Submitted) -> None:
+        self.filter = self._read_widgets()
+        self.query_one(LiveTable).focus()
+        self.reload()
+
+    def action_search(self) -> None:
+        self.query_one("#f-search", Input).focus()
+
+    def action_leave_filters(self) -> None:
+        self.query_one(LiveTable).focus()
+
+    def set_filter(self, **kwargs: Any) -> None:
+        self.filter = JobFilter(**kwargs)
+        self._sync_widgets()
+        self.reload()
+
+    # ---------------------------------------------------------------- reading
+
+    def fetch(self, backend: ConsoleBackend) -> tuple[JobFilter, list[Job]]:
+        f = self.filter
+        return f, backend.list_jobs(state=f.state, job_type=f.job_type, queue=f.queue, search=f.search, limit=LIMIT)
+
+    def show(self, data: tuple[JobFilter, list[Job]]) -> None:
+        f, jobs = data
+        self.jobs = jobs
+        now = self.qapp.clock.now()
+        wide = self.size.width >= 100
+        rows = []
+        for j in jobs:
+            rows.append(
+                (
+                    str(j.id),
+                    [
+                        cell(fmt.short_id(j.id)),
+                        cell(fmt.state_label(j.state.value)),
+                        cell(fmt.clip(j.job_type, 30 if wide else 16)),
+                        cell(fmt.clip(j.queue, 12 if wide else 8)),
+                        cell(f"{j.attempts}/{j.max_attempts}", right=True),
+                        cell(fmt.ago(j.updated_at, now).replace(" ago", ""), right=True),
+                        cell(fmt.clip(j.last_error or "", 60 if wide else 24)),
+                    ],
+                )
+            )
+        self.query_one(LiveTable).set_rows(rows)
+        status = Text(no_wrap=True, overflow="ellipsis")
+        more = f" (first {LIMIT})" if len(jobs) >= LIMIT else ""
+        status.append(f" {len(jobs)} job(s){more}", style="bold")
+        status.append(f" │ {f.describe()} │ enter opens, / searches")
+        self.query_one("#jobs-status", Static).update(status)
+        # new job types or queues may have appeared
+        self.qapp.known_types = sorted(set(self.qapp.known_types) | {j.job_type for j in jobs})
+        self.qapp.known_queues = sorted(set(self.qapp.known_queues) | {j.queue for j in jobs})
+        self._refresh_options()
+
+    # ---------------------------------------------------------------- opening
+
+    @on(DataTable.RowSelected)
+    def _row_selected(self, _event: DataTable.RowSelected) -> None:
+        self.action_open()
+
+    def action_open(self) -> None:
+        key = self.query_one(LiveTable).cursor_key
+        if key is None:
+            return
+        from qconsole.screens.job_detail import JobDetailScreen
+
+        self.app.push_screen(JobDetailScreen(uuid.UUID(key)))

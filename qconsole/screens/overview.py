@@ -1,0 +1,233 @@
+"""``o`` Overview: per queue and job type, counts by state, lag, rates; sparklines of the last hour."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.style import Style
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import DataTable, Label, Sparkline, Static
+
+from qconsole.backend import ConsoleBackend, OverviewData
+from qconsole.screens.base import ConsoleScreen
+from qconsole.widgets import fmt
+from qconsole.widgets.table import LiveTable, cell
+from worker_core.models import TypeStats
+
+COLUMNS = [
+    ("mark", "", 2),
+    ("queue", "queue", None),
+    ("type", "job type", None),
+    ("wait", "wait", None),
+    ("run", "run", None),
+    ("retry", "rtry", None),
+    ("fail", "fail", None),
+    ("dead", "dead", None),
+    ("lag", "lag", None),
+    ("ok", "ok/m", None),
+    ("dlq", "dlq/m", None),
+    ("exp", "exp/m", None),
+]
+
+
+def row_key(t: TypeStats) -> str:
+    return f"{t.queue}\x1f{t.job_type}"
+
+
+class OverviewScreen(ConsoleScreen):
+    TITLE_TEXT = "Overview"
+    HELP = "Per queue and job type. ▲ marks lag or DLQ rate over its threshold; ⏸ a paused queue."
+
+    BINDINGS = [
+        Binding("p", "toggle_pause", "Pause/resume", tooltip="Pause or resume the queue under the cursor"),
+        Binding("enter", "drill", "Its jobs", tooltip="Open the jobs of the row under the cursor"),
+    ]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.data: OverviewData | None = None
+
+    def compose_body(self) -> ComposeResult:
+        yield Static(id="ov-summary", classes="summary")
+        yield LiveTable(COLUMNS, id="ov-table")
+        with Vertical(id="ov-detail"):
+            yield Static(id="ov-detail-title", classes="detail-title")
+            with Horizontal(classes="spark-row"):
+                yield Label("done/min", classes="spark-label")
+                yield Sparkline([], id="ov-spark-done", classes="spark")
+                yield Label(id="ov-spark-done-val", classes="spark-value")
+            with Horizontal(classes="spark-row"):
+                yield Label("lag (s)", classes="spark-label")
+                yield Sparkline([], id="ov-spark-lag", classes="spark")
+                yield Label(id="ov-spark-lag-val", classes="spark-value")
+
+    def on_mount(self) -> None:
+        self.query_one(LiveTable).focus()
+
+    def fetch(self, backend: ConsoleBackend) -> OverviewData:
+        return backend.overview()
+
+    # ---------------------------------------------------------------- thresholds
+
+    def over_lag(self, t: TypeStats) -> bool:
+        return t.oldest_waiting_seconds > self.qapp.thresholds.lag_seconds
+
+    def over_dlq(self, t: TypeStats) -> bool:
+        return t.dlq_per_min > self.qapp.thresholds.dlq_per_min
+
+    # ---------------------------------------------------------------- painting
+
+    def show(self, data: OverviewData) -> None:
+        self.data = data
+        ov = data.overview
+        self.qapp.known_queues = [q.name for q in ov.queues]
+        self.qapp.known_types = sorted({t.job_type for t in ov.types})
+        warn = Style(color=self.app.theme_variables.get("warning"), bold=True)
+        wide = self.size.width >= 100
+        rows = []
+        for t in ov.types:
+            lag_bad, dlq_bad = self.over_lag(t), self.over_dlq(t)
+            bad = lag_bad or dlq_bad
+            st = warn if bad else ""
+            queue = fmt.clip(t.queue, 16 if wide else 8) + (f" {fmt.PAUSED}" if t.paused else "")
+            rows.append(
+                (
+                    row_key(t),
+                    [
+                        cell(fmt.WARN if bad else fmt.OK, style=st),
+                        cell(queue, style=st),
+                        cell(fmt.clip(t.job_type, 30 if wide else 16), style=st),
+                        cell(fmt.count(t.waiting), right=True),
+                        cell(fmt.count(t.running), right=True),
+                        cell(fmt.count(t.retry_scheduled), right=True),
+                        cell(fmt.count(t.failed), right=True),
+                        cell(fmt.count(t.dead_lettered), right=True),
+                        cell(
+                            (fmt.duration(t.oldest_waiting_seconds) if t.oldest_waiting_seconds else "-")
+                            + (fmt.WARN if lag_bad else ""),
+                            right=True,
+                            style=warn if lag_bad else "",
+                        ),
+                        cell(fmt.rate(t.throughput_per_min), right=True),
+                        cell(
+                            fmt.rate(t.dlq_per_min) + (fmt.WARN if dlq_bad else ""),
+                            right=True,
+                            style=warn if dlq_bad else "",
+                        ),
+                        cell(fmt.rate(t.lease_expirations_per_min), right=True),
+                    ],
+                )
+            )
+        table = self.query_one(LiveTable)
+        table.set_rows(rows)
+        self._paint_summary()
+        self._paint_detail()
+
+    def _paint_summary(self) -> None:
+        if self.data is None:
+            return
+        ov = self.data.overview
+        th = self.qapp.thresholds
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append(f" workers alive {ov.workers_alive}", style="bold")
+        paused = [q.name for q in ov.queues if q.paused]
+        t.append(f" │ queues {len(ov.queues)}")
+        if paused:
+            t.append(f" ({fmt.PAUSED} {', '.join(paused)})", style="bold")
+        t.append(f" │ rates/min over {ov.window_minutes}m")
+        t.append(f" │ {fmt.WARN} lag>{fmt.duration(th.lag_seconds)} or dlq>{th.dlq_per_min:g}/m")
+        if not ov.types:
+            t.append(" │ no jobs yet")
+        self.query_one("#ov-summary", Static).update(t)
+
+    def selected(self) -> TypeStats | None:
+        if self.data is None:
+            return None
+        key = self.query_one(LiveTable).cursor_key
+        for t in self.data.overview.types:
+            if row_key(t) == key:
+                return t
+        return None
+
+    @on(DataTable.RowHighlighted)
+    def _highlighted(self, _event: DataTable.RowHighlighted) -> None:
+        self._paint_detail()
+
+    def _paint_detail(self) -> None:
+        t = self.selected()
+        title = self.query_one("#ov-detail-title", Static)
+        done = self.query_one("#ov-spark-done", Sparkline)
+        lag = self.query_one("#ov-spark-lag", Sparkline)
+        if t is None or self.data is None:
+            title.update(Text(" no row selected"))
+            done.data, lag.data = [], []
+            return
+        th = self.qapp.thresholds
+        line = Text(no_wrap=True, overflow="ellipsis")
+        line.append(f" {t.job_type} @ {t.queue}", style="bold")
+        if t.paused:
+            line.append(f" {fmt.PAUSED} paused", style="bold")
+        line.append(f" │ retries {fmt.rate(t.retries_per_min)}/m │ timeouts {t.timeouts} │ anomalies {t.anomalies}")
+        line.append(f" │ lock waits {t.lock_contention} │ dedup {t.dedup_hits + t.idempotency_hits}")
+        if self.over_lag(t):
+            line.append(f" │ {fmt.WARN} lag over {fmt.duration(th.lag_seconds)}", style="bold")
+        if self.over_dlq(t):
+            line.append(f" │ {fmt.WARN} dlq over {th.dlq_per_min:g}/m", style="bold")
+        title.update(line)
+        throughput = self.data.overview.throughput.get((t.queue, t.job_type), [])
+        lag_series = self.data.lag.get(t.queue, [])
+        done.data = throughput
+        lag.data = lag_series
+        self.query_one("#ov-spark-done-val", Label).update(
+            f"max {fmt.rate(max(throughput, default=0))} now {fmt.rate(throughput[-1] if throughput else 0)}"
+        )
+        self.query_one("#ov-spark-lag-val", Label).update(
+            f"max {fmt.duration(max(lag_series, default=0))} now {fmt.duration(lag_series[-1] if lag_series else 0)}"
+        )
+
+    # ---------------------------------------------------------------- actions
+
+    @on(DataTable.RowSelected)
+    def _selected(self, _event: DataTable.RowSelected) -> None:
+        self.action_drill()
+
+    def action_drill(self) -> None:
+        t = self.selected()
+        if t is not None:
+            self.qapp.open_jobs(job_type=t.job_type, queue=t.queue)
+
+    def action_toggle_pause(self) -> None:
+        t = self.selected()
+        if t is None or self.data is None:
+            self.notify("No queue under the cursor.", severity="warning")
+            return
+        self.request_pause(t.queue, not t.paused)
+
+    def request_pause(self, queue: str, pause: bool) -> None:
+        waiting = 0
+        if self.data is not None:
+            waiting = sum(q.waiting for q in self.data.overview.queues if q.name == queue)
+        verb = "pause" if pause else "resume"
+        if pause:
+            question = f"Pause queue '{queue}'?"
+            details = (
+                f"Workers stop claiming its {waiting} waiting job(s); running jobs finish.\n"
+                "Touches 1 queue, no job rows. Recorded in the audit log."
+            )
+        else:
+            question = f"Resume queue '{queue}'?"
+            details = (
+                f"Its {waiting} waiting job(s) become claimable again.\nTouches 1 queue. Recorded in the audit log."
+            )
+        self.act(
+            verb,
+            question,
+            details,
+            lambda b: b.set_paused(queue, pause),
+            lambda r: f"Queue '{queue}' {'paused' if pause else 'resumed'}.",
+            touches=1,
+        )

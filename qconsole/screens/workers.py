@@ -1,0 +1,218 @@
+"""``w`` Workers: every live worker, and the embedded ones this console started (``s`` start, ``x`` stop)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.widgets import DataTable, Log, Static
+
+from qconsole.backend import ConsoleBackend
+from qconsole.embedded_workers import EmbeddedWorker
+from qconsole.screens.base import ConsoleScreen
+from qconsole.widgets import fmt
+from qconsole.widgets.table import LiveTable, cell
+from worker_core.models import WorkerInfo
+
+COLUMNS = [
+    ("src", "src", None),
+    ("state", "state", None),
+    ("worker", "host:pid", None),
+    ("queues", "queues", None),
+    ("conc", "slots", None),
+    ("busy", "busy", None),
+    ("beat", "heartbeat", None),
+]
+LOG_LINES = 200
+
+
+def db_state(w: WorkerInfo) -> str:
+    if w.stopped_at is not None:
+        return "■ stopped"
+    if w.lost:
+        return "✗ LOST"
+    return "● live"
+
+
+class WorkersScreen(ConsoleScreen):
+    TITLE_TEXT = "Workers"
+    HELP = "Workers and their heartbeats; a worker whose heartbeat stopped is LOST. s/x start/stop embedded ones."
+
+    BINDINGS = [
+        Binding("s", "start_worker", "Start embedded"),
+        Binding("x", "stop_worker", "Stop embedded"),
+    ]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.db_workers: list[WorkerInfo] = []
+        self.embedded: list[EmbeddedWorker] = []
+        self._log_state: tuple[Any, ...] = ()
+
+    def compose_body(self) -> ComposeResult:
+        yield Static(id="wk-summary", classes="summary")
+        yield LiveTable(COLUMNS, id="wk-table")
+        yield Static(id="wk-log-title", classes="detail-title")
+        yield Log(id="wk-log", max_lines=2000)
+
+    def on_mount(self) -> None:
+        self.query_one(LiveTable).focus()
+
+    def fetch(self, backend: ConsoleBackend) -> list[WorkerInfo]:
+        return backend.workers()
+
+    def show(self, data: list[WorkerInfo]) -> None:
+        self.db_workers = data
+        self._paint()
+
+    def _paint(self) -> None:
+        launcher = self.qapp.launcher
+        self.embedded = launcher.workers() if launcher is not None else []
+        now = self.qapp.clock.now()
+        by_pid = {(w.host, w.pid): w for w in self.db_workers}
+        rows: list[tuple[str, list[Text]]] = []
+        matched: set[str] = set()
+        for e in self.embedded:
+            info = by_pid.get((e.host, e.pid)) if e.pid is not None and e.running else None
+            if info is not None:
+                matched.add(info.id)
+            if e.running:
+                state = db_state(info) if info else "○ starting"
+                if e.stopping:
+                    state = "◌ stopping"
+            else:
+                state = "☠ crashed" if "crashed" in e.status else "■ stopped"
+            rows.append(
+                (
+                    f"emb:{e.number}",
+                    [
+                        cell(f"emb#{e.number}", style="bold"),
+                        cell(state),
+                        cell(fmt.clip(f"{e.host}:{e.pid or '-'}", 24)),
+                        cell(fmt.clip(",".join(e.queues) or "*", 16)),
+                        cell(e.concurrency, right=True),
+                        cell(info.in_flight if info else "-", right=True),
+                        cell(fmt.ago(info.last_heartbeat_at, now) if info else "-", right=True),
+                    ],
+                )
+            )
+        for w in self.db_workers:
+            if w.id in matched:
+                continue
+            rows.append(
+                (
+                    f"db:{w.id}",
+                    [
+                        cell(""),
+                        cell(db_state(w), style="bold" if w.lost else ""),
+                        cell(fmt.clip(f"{w.host}:{w.pid}", 24)),
+                        cell(fmt.clip(",".join(w.queues) if w.queues else "*", 16)),
+                        cell(w.concurrency, right=True),
+                        cell(w.in_flight, right=True),
+                        cell(fmt.ago(w.last_heartbeat_at, now), right=True),
+                    ],
+                )
+            )
+        self.query_one(LiveTable).set_rows(rows)
+        live = sum(1 for w in self.db_workers if w.stopped_at is None and not w.lost)
+        lost = sum(1 for w in self.db_workers if w.lost)
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append(f" {live} live", style="bold")
+        t.append(f" │ {lost} lost" + (" ✗" if lost else ""))
+        t.append(f" │ {sum(1 for e in self.embedded if e.running)} embedded running")
+        crashed = sum(e.crashes for e in self.embedded)
+        if crashed:
+            t.append(f" │ ☠ {crashed} embedded crash(es)", style="bold")
+        self.query_one("#wk-summary", Static).update(t)
+        self._paint_log()
+
+    def selected_embedded(self) -> EmbeddedWorker | None:
+        key = self.query_one(LiveTable).cursor_key
+        if key is None or not key.startswith("emb:"):
+            return None
+        number = int(key[4:])
+        return next((e for e in self.embedded if e.number == number), None)
+
+    @on(DataTable.RowHighlighted)
+    def _highlighted(self, _event: DataTable.RowHighlighted) -> None:
+        self._paint_log()
+
+    def _paint_log(self) -> None:
+        e = self.selected_embedded()
+        title = self.query_one("#wk-log-title", Static)
+        log = self.query_one("#wk-log", Log)
+        if e is None:
+            state: tuple[Any, ...] = (None,)
+            if state != self._log_state:
+                self._log_state = state
+                title.update(Text(" output: select an embedded worker (emb#) to read its output"))
+                log.clear()
+            return
+        lines = e.tail(LOG_LINES)
+        state = (e.number, len(e.output), lines[-1] if lines else "", e.status)
+        if state == self._log_state:
+            return
+        self._log_state = state
+        head = Text(no_wrap=True, overflow="ellipsis")
+        head.append(f" output of emb#{e.number}", style="bold")
+        head.append(f" │ {e.status} │ tasks {','.join(e.tasks)}")
+        if e.restarts:
+            head.append(f" │ restarted {e.restarts} time(s)")
+        if e.log_path is not None:
+            head.append(f" │ {e.log_path}")
+        title.update(head)
+        log.clear()
+        log.write_lines(lines)
+
+    # ---------------------------------------------------------------- actions
+
+    def action_start_worker(self) -> None:
+        if self.qapp.read_only:
+            self.qapp.refuse_read_only("start a worker")
+            return
+        launcher = self.qapp.launcher
+        if launcher is None:
+            self.notify("Embedded workers are not available in this console.", severity="warning")
+            return
+        from qconsole.screens.start_worker import StartWorkerScreen, WorkerRequest
+
+        def started(request: WorkerRequest | None) -> None:
+            if request is None:
+                return
+            try:
+                w = launcher.start(request.tasks, request.queues, request.concurrency)
+            except Exception as e:
+                self.notify(f"Could not start a worker: {e}", severity="error", markup=False)
+                return
+            self.notify(
+                f"Started embedded worker #{w.number} (pid {w.pid}): {','.join(w.tasks)}"
+                f" on {','.join(w.queues) or 'every queue'}.",
+                markup=False,
+            )
+            self._paint()
+            self.reload()
+
+        self.app.push_screen(
+            StartWorkerScreen(",".join(self.qapp.default_tasks), "", self.qapp.default_concurrency), started
+        )
+
+    def action_stop_worker(self) -> None:
+        if self.qapp.read_only:
+            self.qapp.refuse_read_only("stop a worker")
+            return
+        e = self.selected_embedded()
+        launcher = self.qapp.launcher
+        if e is None or launcher is None:
+            self.notify("Select an embedded worker (emb#) to stop it.", severity="warning")
+            return
+        if not e.running:
+            self.notify(f"Embedded worker #{e.number} is not running ({e.status}).", severity="warning")
+            return
+        launcher.stop(e.number)
+        self.notify(
+            f"Stopping embedded worker #{e.number} (pid {e.pid}): it finishes or releases its jobs.", markup=False
+        )
+        self._paint()

@@ -1,0 +1,105 @@
+"""The lines every screen shares: the title bar and the outage banner."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+from rich.text import Text
+from textual.widgets import Static
+
+from qconsole.widgets import fmt
+
+if TYPE_CHECKING:
+    from qconsole.app import QConsoleApp
+
+
+class TitleBar(Static):
+    """``qconsole │ Overview │ source │ READ-ONLY │ data 12:00:00 UTC``: one line."""
+
+    DEFAULT_CSS = """
+    TitleBar {
+        height: 1;
+        background: $panel;
+        color: $foreground;
+        text-wrap: nowrap;
+        text-overflow: ellipsis;
+    }
+    """
+
+    def __init__(self, title: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.title_text = title
+
+    @property
+    def qapp(self) -> QConsoleApp:
+        return cast("QConsoleApp", self.app)
+
+    def on_mount(self) -> None:
+        self.watch(self.app, "last_ok", self._paint, init=True)
+        self.watch(self.app, "db_error", self._paint, init=False)
+
+    def _paint(self, _value: object = None) -> None:
+        app = self.qapp
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append(" qconsole ", style="bold")
+        t.append("│ ")
+        t.append(self.title_text, style="bold")
+        t.append(" │ ")
+        if app.read_only:
+            t.append("READ-ONLY", style="reverse")
+            t.append(" │ ")
+        if app.db_error is not None:
+            t.append("✗ OFFLINE", style="bold reverse")
+            t.append(" │ ")
+        t.append(f"data {fmt.hms(app.last_ok)} UTC" if app.last_ok else "loading…")
+        t.append(" │ ")
+        t.append(app.backend.description)
+        self.update(t)
+
+
+class OutageBanner(Static):
+    """Shown while reads fail: what failed, and how old the data on screen is. Hidden otherwise."""
+
+    DEFAULT_CSS = """
+    OutageBanner {
+        display: none;
+        height: auto;
+        max-height: 3;
+        background: $error;
+        color: $text;
+        text-style: bold;
+        padding: 0 1;
+    }
+    OutageBanner.-shown {
+        display: block;
+    }
+    """
+
+    @property
+    def qapp(self) -> QConsoleApp:
+        return cast("QConsoleApp", self.app)
+
+    def on_mount(self) -> None:
+        self.watch(self.app, "db_error", self._paint, init=True)
+        self.set_interval(1.0, self._tick)
+
+    def _tick(self) -> None:
+        if self.qapp.db_error is not None:
+            self._paint()
+
+    def _paint(self, _value: object = None) -> None:
+        app = self.qapp
+        error = app.db_error
+        self.set_class(error is not None, "-shown")
+        if error is None:
+            return
+        now = app.clock.now()
+        if app.last_ok is None:
+            age = "no data yet"
+        else:
+            age = f"data from {fmt.hms(app.last_ok)} UTC ({fmt.ago(app.last_ok, now)})"
+        t = Text()
+        t.append("⚠ DATABASE UNREACHABLE", style="bold")
+        t.append(f" · {age} · retrying\n")
+        t.append(fmt.clip(error, 200), style="not bold")
+        self.update(t)

@@ -1,0 +1,107 @@
+"""Pure formatting helpers: times, ages, counts and the symbols that carry meaning without color.
+
+>>> ago(dt.datetime(2025, 1, 1, 12, 0, 0), dt.datetime(2025, 1, 1, 12, 3, 5))
+'3m05s ago'
+>>> duration(42.4)
+'42s'
+>>> duration(3725)
+'1h02m'
+>>> rate(0.0)
+'-'
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+from worker_core.models import JobState
+
+#: state -> (symbol, short name). Symbols let a NO_COLOR terminal tell states apart.
+STATE_MARKS: dict[str, tuple[str, str]] = {
+    JobState.QUEUED.value: ("·", "queued"),
+    JobState.RUNNING.value: ("▶", "running"),
+    JobState.RETRY_SCHEDULED.value: ("↻", "retry"),
+    JobState.SUCCEEDED.value: ("✓", "succeeded"),
+    JobState.FAILED.value: ("✗", "failed"),
+    JobState.DEAD_LETTERED.value: ("☠", "dead"),
+    JobState.CANCELLED.value: ("⊘", "cancelled"),
+}
+#: a row over a threshold: shown as a symbol (and colored when color is available)
+WARN = "▲"
+PAUSED = "⏸"
+OK = " "
+
+
+def utc(t: dt.datetime | None) -> dt.datetime | None:
+    if t is None:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+def duration(seconds: float) -> str:
+    """Compact: 9s, 42s, 3m05s, 1h02m, 2d03h."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def ago(t: dt.datetime | None, now: dt.datetime) -> str:
+    t = utc(t)
+    if t is None:
+        return "-"
+    delta = (utc(now) - t).total_seconds()  # type: ignore[operator]
+    if delta < 0:
+        return "in " + duration(-delta)
+    return duration(delta) + " ago"
+
+
+def hms(t: dt.datetime | None) -> str:
+    """Wall-clock time in UTC: the console is read by people in several time zones at once."""
+    t = utc(t)
+    return "-" if t is None else t.astimezone(dt.timezone.utc).strftime("%H:%M:%S")
+
+
+def stamp(t: dt.datetime | None) -> str:
+    t = utc(t)
+    return "-" if t is None else t.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def count(n: int) -> str:
+    if n == 0:
+        return "-"
+    if n >= 100_000:
+        return f"{n / 1000:.0f}k"
+    return str(n)
+
+
+def rate(per_min: float) -> str:
+    if per_min <= 0:
+        return "-"
+    if per_min < 10:
+        return f"{per_min:.1f}"
+    return f"{per_min:.0f}"
+
+
+def clip(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: max(0, width - 1)] + "…"
+
+
+def short_id(job_id: Any) -> str:
+    return str(job_id)[:8]
+
+
+def pretty_json(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+
+
+def state_label(state: str) -> str:
+    symbol, name = STATE_MARKS.get(state, ("?", state))
+    return f"{symbol} {name}"

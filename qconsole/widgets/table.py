@@ -1,0 +1,70 @@
+"""A DataTable that is refreshed in place: rows are replaced, the cursor stays on the same row key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from rich.style import Style
+from rich.text import Text
+from textual.binding import Binding
+from textual.widgets import DataTable
+
+
+def cell(value: Any, *, right: bool = False, style: str | Style = "") -> Text:
+    """A table cell as plain Text (never markup: job data may hold brackets), with a one-space gutter."""
+    text = Text(" " + str(value), style=style, no_wrap=True, overflow="ellipsis")
+    if right:
+        text.justify = "right"
+    return text
+
+
+class LiveTable(DataTable[Any]):
+    """A row-cursor table whose columns have one space of gutter and whose rows are swapped on refresh."""
+
+    BINDINGS = [Binding("enter", "select_cursor", "Open")]
+
+    DEFAULT_CSS = """
+    LiveTable {
+        height: 1fr;
+        scrollbar-size-vertical: 1;
+    }
+    LiveTable > .datatable--header {
+        text-style: bold;
+    }
+    """
+
+    def __init__(self, columns: Sequence[tuple[str, str, int | None]], **kwargs: Any) -> None:
+        """``columns``: (key, label, width or None for automatic)."""
+        kwargs.setdefault("cursor_type", "row")
+        kwargs.setdefault("zebra_stripes", False)
+        kwargs.setdefault("cell_padding", 0)
+        super().__init__(**kwargs)
+        self._column_spec = list(columns)
+
+    def on_mount(self) -> None:
+        for key, label, width in self._column_spec:
+            self.add_column(Text(" " + label), key=key, width=width)
+
+    @property
+    def cursor_key(self) -> str | None:
+        if self.row_count == 0:
+            return None
+        try:
+            row_key, _ = self.coordinate_to_cell_key(self.cursor_coordinate)
+        except Exception:
+            return None
+        return None if row_key.value is None else str(row_key.value)
+
+    def set_rows(self, rows: Iterable[tuple[str, Sequence[Any]]]) -> None:
+        keep = self.cursor_key
+        scroll_y = self.scroll_y
+        self.clear()
+        index = 0
+        for i, (key, cells) in enumerate(rows):
+            self.add_row(*cells, key=key)
+            if key == keep:
+                index = i
+        if self.row_count:
+            self.move_cursor(row=index, animate=False, scroll=False)
+            self.scroll_to(y=scroll_y, animate=False)
