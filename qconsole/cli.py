@@ -90,6 +90,23 @@ def guarded(fn: Callable[[], T]) -> T:
         fail(f"database error: {e}".strip(), 3)
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``24h``, ``7d`` -> seconds."""
+    text = text.strip().lower()
+    unit = _UNITS.get(text[-1:])
+    number = text[:-1] if unit else text
+    try:
+        value = float(number) * (unit or 1)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a duration like 90s, 15m, 24h or 7d") from None
+    if value < 0:
+        raise typer.BadParameter("a duration must not be negative")
+    return value
+
+
 def parse_json_object(text: str, what: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -107,9 +124,7 @@ def parse_json_object(text: str, what: str) -> dict[str, Any]:
 def console(
     ctx: typer.Context,
     dsn: DsnOpt = None,
-    read_only: Annotated[
-        bool, typer.Option("--read-only", help="Refuse every action.")
-    ] = False,
+    read_only: Annotated[bool, typer.Option("--read-only", help="Refuse every action.")] = False,
     refresh: Annotated[float, typer.Option("--refresh", min=0.2, help="Seconds between refreshes.")] = 2.0,
     theme: Annotated[str | None, typer.Option("--theme", help="Textual theme, e.g. textual-dark.")] = None,
 ) -> None:
@@ -223,12 +238,19 @@ def worker(
     metrics_port: Annotated[
         int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics (process i: port + i).")
     ] = None,
+    retention_succeeded: Annotated[
+        str, typer.Option("--retention-succeeded", help="Prune succeeded jobs older than this (e.g. 24h).")
+    ] = "24h",
+    retention_failed: Annotated[
+        str, typer.Option("--retention-failed", help="Prune failed/dead-lettered/cancelled jobs older than this.")
+    ] = "14d",
     log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
     log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
     dsn: DsnOpt = None,
 ) -> None:
     """Run a worker: claim, execute, retry, dead-letter and heal, agreeing with others only through rows."""
     from worker_core.logs import setup_logging
+    from worker_core.maintenance import Retention
     from worker_core.registry import import_task_modules
     from worker_core.supervisor import run_supervised
     from worker_core.worker import WorkerConfig, run_worker
@@ -254,6 +276,9 @@ def worker(
         poll_interval=poll_interval,
         heartbeat_interval=heartbeat,
         metrics_port=metrics_port,
+        retention=Retention(
+            succeeded_seconds=parse_duration(retention_succeeded), failed_seconds=parse_duration(retention_failed)
+        ),
     )
     try:
         code = run_supervised(config, processes, log_format) if processes > 1 else run_worker(config)
@@ -288,9 +313,7 @@ def jobs(
     state: Annotated[str | None, typer.Option("--state", help="|".join(s.value for s in JobState))] = None,
     job_type: Annotated[str | None, typer.Option("--type")] = None,
     queue: Annotated[str | None, typer.Option("--queue")] = None,
-    search: Annotated[
-        str | None, typer.Option("--search", help="Id prefix, key or error text.")
-    ] = None,
+    search: Annotated[str | None, typer.Option("--search", help="Id prefix, key or error text.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, max=10000)] = 50,
     as_json: JsonOpt = False,
     dsn: DsnOpt = None,

@@ -172,7 +172,9 @@ class TypeStats:
     dlq_per_min: float = 0.0
     lease_expirations_per_min: float = 0.0
     retries_per_min: float = 0.0
-    #: attempts over the window: retries, timeouts, anomalies (unknown errors)
+    #: over the window: jobs in (rolled up with a lag of about two minutes), retries, timeouts,
+    #: anomalies (unknown errors)
+    enqueued: int = 0
     retries: int = 0
     timeouts: int = 0
     anomalies: int = 0

@@ -144,4 +144,11 @@ def enqueue_many(
             first = env.dedup_key in inserted_keys and env.dedup_key not in seen
             seen.add(env.dedup_key)
             out.append(EnqueueResult(by_key[env.dedup_key], first))
+    hits: dict[tuple[str, str], int] = {}
+    for env, result in zip(envs, out, strict=True):
+        if not result.created:
+            hits[(env.queue, env.job_type)] = hits.get((env.queue, env.job_type), 0) + 1
+    if hits:
+        with _in_callers_transaction(conn):
+            _count_dedup_hits(conn, now, hits)
     return out

@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from worker_core import db
+from worker_core import db, maintenance
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.context import JobContext
 from worker_core.errors import JobTimeout, LeaseLost, PermanentError, classify
@@ -44,8 +44,6 @@ from worker_core.registry import registry as global_registry
 from worker_core.retry import RetryPolicy
 from worker_core.sql import queries
 
-#: housekeeping advisory lock key ("qc-house")
-HOUSEKEEPING_LOCK = 0x71632D686F757365
 MAX_ERROR_MESSAGE = 2000
 
 
@@ -71,6 +69,7 @@ class WorkerConfig:
     application_name: str = "qconsole-worker"
     #: serve this worker's Prometheus counters and histograms on this port
     metrics_port: int | None = None
+    retention: maintenance.Retention = field(default_factory=maintenance.Retention)
 
 
 @dataclass
@@ -412,16 +411,11 @@ class Worker:
             self.housekeeping(conn)
 
     def housekeeping(self, conn: db.Conn) -> bool:
-        """Prune expired idempotency records and resource leases, if this worker wins the lock."""
-        now = self.clock.now()
-        with conn.transaction():
-            won = conn.execute(queries["try_housekeeping_lock"], {"key": HOUSEKEEPING_LOCK}).fetchone()
-            if not won or not won["won"]:
-                return False
-            conn.execute(queries["prune_processed_keys"], {"now": now})
-            conn.execute(queries["prune_resource_locks"], {"now": now})
-            conn.execute(queries["workers_prune"], {"before": now - dt.timedelta(days=1)})
-        return True
+        """Retention and rollups (worker_core.maintenance), if this worker wins the lock for them."""
+        report = maintenance.housekeeping(conn, self.clock, self.config.retention)
+        if report and report.pruned_jobs:
+            self.log.info("housekeeping: pruned %s finished jobs", report.pruned_jobs)
+        return report is not None
 
     # ------------------------------------------------------------------ executing
 

@@ -1,0 +1,77 @@
+"""Retention and rollups: finished jobs pruned by age by whoever wins the lock; per-minute history
+(jobs in, outcomes, dedup hits) survives the rows."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+from worker_core import db, stats
+from worker_core.clock import FixedClock
+from worker_core.maintenance import Retention, housekeeping
+from worker_core.producer import enqueue, enqueue_many
+
+T0 = dt.datetime(2026, 11, 28, 9, 0, tzinfo=dt.timezone.utc)
+
+
+def _finish(conn: db.Conn, state: str, finished_at: dt.datetime) -> None:
+    conn.execute("UPDATE job_queue SET state = %s, finished_at = %s WHERE state = 'queued'", (state, finished_at))
+
+
+def test_prunes_finished_jobs_by_age_and_keeps_live_ones(conn: db.Conn) -> None:
+    clock = FixedClock(T0)
+    enqueue_many(conn, [("t.ok", {"i": i}) for i in range(3)], clock=clock)
+    _finish(conn, "succeeded", T0)
+    enqueue_many(conn, [("t.ok", {"i": i}) for i in range(2)], clock=clock)
+    _finish(conn, "dead_lettered", T0)
+    live = enqueue(conn, "t.ok", {}, clock=clock).id
+
+    clock.set(T0 + dt.timedelta(hours=25))
+    report = housekeeping(conn, clock, Retention(succeeded_seconds=86400, failed_seconds=7 * 86400))
+    assert report is not None and report.pruned_jobs == 3
+    states = {r["state"] for r in conn.execute("SELECT state FROM job_queue")}
+    assert states == {"dead_lettered", "queued"}
+
+    clock.set(T0 + dt.timedelta(days=8))
+    report = housekeeping(conn, clock, Retention(succeeded_seconds=86400, failed_seconds=7 * 86400))
+    assert report is not None and report.pruned_jobs == 2
+    assert [r["id"] for r in conn.execute("SELECT id FROM job_queue")] == [live]
+
+
+def test_jobs_in_survive_retention_and_are_counted_once(conn: db.Conn) -> None:
+    clock = FixedClock(T0)
+    enqueue_many(conn, [("t.ok", {"i": i}) for i in range(4)], clock=clock)
+    clock.set(T0 + dt.timedelta(minutes=1))
+    enqueue(conn, "t.ok", {}, clock=clock)
+    _finish(conn, "succeeded", T0 + dt.timedelta(minutes=1))
+
+    clock.set(T0 + dt.timedelta(days=2))
+    for _ in range(2):  # a second round (a restarted worker) must not count again
+        assert housekeeping(conn, clock) is not None
+    assert conn.execute("SELECT count(*) AS n FROM job_queue").fetchone() == {"n": 0}
+    rows = conn.execute("SELECT minute, enqueued FROM job_metrics_minute ORDER BY minute").fetchall()
+    assert [(r["minute"], r["enqueued"]) for r in rows] == [(T0, 4), (T0 + dt.timedelta(minutes=1), 1)]
+
+
+def test_only_one_housekeeper_at_a_time(dsn: str) -> None:
+    with db.connect(dsn) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (0x71632D686F757365,))
+        results: list[object] = []
+
+        def other() -> None:
+            with db.connect(dsn) as conn:
+                results.append(housekeeping(conn))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(10)
+        assert results == [None]
+
+
+def test_dedup_hits_are_counted_for_the_window(conn: db.Conn) -> None:
+    enqueue(conn, "t.ok", {}, dedup_key="same")
+    assert not enqueue(conn, "t.ok", {}, dedup_key="same").created
+    results = enqueue_many(conn, [("t.ok", {}, {"dedup_key": "same"}), ("t.ok", {}, {"dedup_key": "other"})])
+    assert [r.created for r in results] == [False, True]
+    by_type = {t.job_type: t for t in stats.overview(conn).types}
+    assert by_type["t.ok"].dedup_hits == 2
