@@ -1,0 +1,227 @@
+"""The claim (Worker.claim on real Worker instances, each with its own connection; nothing is run):
+concurrency, order, what is not claimable, and the lease-expiry lane (rescue, poison pill, kill)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.worker_core.helpers import TASKS
+from worker_core import FixedClock, db, enqueue, enqueue_many, ops
+from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.registry import registry
+from worker_core.worker import Worker, WorkerConfig
+
+T0 = dt.datetime(2030, 6, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
+VIS = 40.0  # the visibility timeout of the jobs below
+
+
+def at(seconds: float) -> FixedClock:
+    return FixedClock(T0 + dt.timedelta(seconds=seconds))
+
+
+@pytest.fixture
+def claimers(dsn: str) -> Iterator[Any]:
+    """``claimer(clock=..., **config)``: a Worker used only for its claim; connections closed afterwards."""
+    made: list[Worker] = []
+
+    def make(clock: Clock = SYSTEM_CLOCK, registry_: Any = None, **overrides: Any) -> Worker:
+        cfg = WorkerConfig(dsn=dsn, task_modules=TASKS, worker_id=f"claimer-{len(made)}", **overrides)
+        w = Worker(cfg, registry=registry_, clock=clock)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        if w._claim_conn is not None:
+            w._claim_conn.close()
+
+
+def row(conn: db.Conn, job_id: uuid.UUID) -> dict[str, Any]:
+    r = conn.execute("SELECT * FROM job_queue WHERE id = %s", (job_id,)).fetchone()
+    assert r is not None
+    return r
+
+
+def seed(conn: db.Conn, n: int, clock: Clock = SYSTEM_CLOCK, **fields: Any) -> list[uuid.UUID]:
+    results = enqueue_many(conn, [("t.ok", {"n": i}, fields) for i in range(n)], clock=clock)
+    return [r.id for r in results]
+
+
+def claim_in_threads(workers: list[Worker], limit: int) -> list[list[uuid.UUID]]:
+    """Each worker claims until it gets nothing; all start together. Returns each one's claimed ids."""
+    barrier = threading.Barrier(len(workers))
+    claimed: list[list[uuid.UUID]] = [[] for _ in workers]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            workers[i]._conn_for_claims()  # connect before the barrier, so the claims really overlap
+            barrier.wait(timeout=30)
+            while True:
+                rows = workers[i].claim(limit)
+                if not rows:
+                    return
+                claimed[i].extend(r["id"] for r in rows)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a claimer did not finish"
+    assert errors == []
+    return claimed
+
+
+def test_concurrent_claimers_claim_every_job_exactly_once(conn: db.Conn, claimers: Any) -> None:
+    ids = seed(conn, 500)
+    workers = [claimers() for _ in range(8)]
+    claimed = claim_in_threads(workers, limit=7)
+    everything = [i for c in claimed for i in c]
+    dupes = [i for i, n in Counter(everything).items() if n > 1]
+    assert dupes == []
+    assert set(everything) == set(ids) and len(everything) == 500
+    # every claimer's rows are held by that claimer, at attempt 1
+    holders = {r["id"]: r for r in conn.execute("SELECT id, state, locked_by, attempts FROM job_queue")}
+    for w, mine in zip(workers, claimed, strict=True):
+        for i in mine:
+            assert holders[i] == {"id": i, "state": "running", "locked_by": w.id, "attempts": 1}
+    assert sum(1 for c in claimed if c) >= 2, "the claims did not overlap at all"
+
+
+def test_concurrent_rescuers_take_every_expired_lease_exactly_once(conn: db.Conn, claimers: Any) -> None:
+    ids = seed(conn, 60, clock=at(0), timeout_seconds=5, visibility_timeout_seconds=VIS)
+    dead = claimers(clock=at(0))
+    assert len(dead.claim(100)) == 60
+    rescuers = [claimers(clock=at(VIS + 1)) for _ in range(8)]
+    claimed = claim_in_threads(rescuers, limit=5)
+    everything = [i for c in claimed for i in c]
+    assert sorted(everything) == sorted(ids)  # each once
+    rows = conn.execute("SELECT state, attempts, lease_expirations, locked_by FROM job_queue").fetchall()
+    assert {(r["state"], r["attempts"], r["lease_expirations"]) for r in rows} == {("running", 2, 1)}
+    assert {r["locked_by"] for r in rows} <= {w.id for w in rescuers}
+
+
+def test_claim_order_is_priority_then_scheduled_at_and_respects_the_limit(conn: db.Conn, claimers: Any) -> None:
+    def job(priority: int, at_s: float) -> uuid.UUID:
+        return enqueue(conn, "t.ok", {}, priority=priority, clock=at(at_s)).id
+
+    later_low = job(0, 5)
+    urgent = job(-10, 9)
+    early_low = job(0, 1)
+    background = job(100, 0)
+    w = claimers(clock=at(10))
+    first = w.claim(2)
+    assert [r["id"] for r in first] == [urgent, early_low]  # lower priority value first, then oldest
+    assert [r["id"] for r in w.claim(10)] == [later_low, background]
+    assert w.claim(10) == []
+
+
+def test_a_paused_queue_is_not_claimed_until_resumed(conn: db.Conn, claimers: Any) -> None:
+    slow = enqueue(conn, "t.ok", {}, queue="slow").id
+    fast = enqueue(conn, "t.ok", {}, queue="fast").id
+    ops.pause(conn, "slow", actor=ops.Actor("tester"))
+    w = claimers()
+    assert [r["id"] for r in w.claim(10)] == [fast]
+    assert w.claim(10) == []
+    assert row(conn, slow)["state"] == "queued"
+    ops.resume(conn, "slow", actor=ops.Actor("tester"))
+    assert [r["id"] for r in w.claim(10)] == [slow]
+
+
+def test_a_worker_claims_only_its_queues_and_registered_types(conn: db.Conn, claimers: Any) -> None:
+    mine = enqueue(conn, "t.ok", {}, queue="billing").id
+    other_queue = enqueue(conn, "t.ok", {}, queue="reports").id
+    unregistered = enqueue(conn, "nobody.handles-this", {}, queue="billing").id
+    not_in_subset = enqueue(conn, "t.flaky", {}, queue="billing").id
+    w = claimers(queues=("billing",), registry_=registry.subset(["t.ok"]))
+    assert [r["id"] for r in w.claim(10)] == [mine]
+    assert w.claim(10) == []
+    for j in (other_queue, unregistered, not_in_subset):
+        assert row(conn, j)["state"] == "queued"
+    everyone = claimers()
+    assert {r["id"] for r in everyone.claim(10)} == {other_queue, not_in_subset}  # never the unregistered type
+    assert row(conn, unregistered)["state"] == "queued"
+
+
+def test_a_job_scheduled_in_the_future_is_not_claimed_before_its_time(conn: db.Conn, claimers: Any) -> None:
+    j = enqueue(conn, "t.ok", {}, delay_seconds=60, clock=at(0)).id
+    assert claimers(clock=at(59.999)).claim(10) == []
+    assert row(conn, j)["state"] == "queued"
+    assert [r["id"] for r in claimers(clock=at(60)).claim(10)] == [j]
+
+
+def test_lease_expiry_rescue(conn: db.Conn, claimers: Any) -> None:
+    j = enqueue(conn, "t.ok", {}, clock=at(0), timeout_seconds=5, visibility_timeout_seconds=VIS).id
+    first = claimers(clock=at(0))
+    assert [r["id"] for r in first.claim(1)] == [j]
+    assert row(conn, j)["locked_until"] == T0 + dt.timedelta(seconds=VIS)
+
+    assert claimers(clock=at(VIS - 0.001)).claim(10) == []  # the lease still holds
+    rescuer = claimers(clock=at(VIS + 1))
+    rows = rescuer.claim(10)
+    assert [r["id"] for r in rows] == [j] and rows[0]["reclaimed"]
+    r = row(conn, j)
+    assert r["state"] == "running" and r["locked_by"] == rescuer.id
+    assert r["attempts"] == 2 and r["lease_expirations"] == 1
+    assert r["locked_until"] == T0 + dt.timedelta(seconds=2 * VIS + 1)
+    (err,) = r["errors"]
+    assert err["kind"] == "lease_expired" and err["worker"] == first.id and err["attempt"] == 1
+    assert first.id in r["last_error"]
+    assert rescuer.metrics.totals[("default", "t.ok", "lease_expirations")] == 1
+
+
+def test_poison_pill_is_dead_lettered_by_the_claim_without_running_again(conn: db.Conn, claimers: Any) -> None:
+    """A lease lost while the job ran alone, with no attempts left, proves the job killed its process."""
+    j = enqueue(conn, "t.ok", {}, clock=at(0), max_attempts=1, timeout_seconds=5, visibility_timeout_seconds=VIS).id
+    assert [r["id"] for r in claimers(clock=at(0)).claim(4)] == [j]  # ran with others: not proof of guilt
+
+    # its lease expires: it gets one attempt alone (the lost one, shared, is given back)
+    solo = claimers(clock=at(VIS + 1)).claim(4)
+    assert [(r["id"], r["ran_solo"]) for r in solo] == [(j, True)]
+    r = row(conn, j)
+    assert (r["state"], r["attempts"], r["max_attempts"]) == ("running", 2, 2)
+
+    # it dies again, alone, with no attempts left: the claim dead-letters it and does not hand it out
+    judge = claimers(clock=at(3 * VIS))
+    assert judge.claim(4) == []
+    r = row(conn, j)
+    assert r["state"] == "dead_lettered" and r["attempts"] == 2 and r["lease_expirations"] == 2
+    assert r["finished_at"] == T0 + dt.timedelta(seconds=3 * VIS) and r["locked_until"] is None
+    assert [e["kind"] for e in r["errors"]] == ["lease_expired", "lease_expired"]
+    assert "running this job alone" in r["errors"][-1]["message"]
+    assert judge.metrics.totals[("default", "t.ok", "dead_lettered")] == 1
+    assert claimers(clock=at(10 * VIS)).claim(4) == []  # and it stays there
+
+
+def test_expired_lease_with_attempts_left_is_reclaimed_not_dead_lettered(conn: db.Conn, claimers: Any) -> None:
+    j = enqueue(conn, "t.ok", {}, clock=at(0), max_attempts=3, timeout_seconds=5, visibility_timeout_seconds=VIS).id
+    claimers(clock=at(0)).claim(1)
+    assert [r["id"] for r in claimers(clock=at(VIS + 1)).claim(1)] == [j]
+    assert [r["id"] for r in claimers(clock=at(3 * VIS)).claim(1)] == [j]  # alone, attempt 3 of 3: runs
+    r = row(conn, j)
+    assert (r["state"], r["attempts"], r["lease_expirations"]) == ("running", 3, 2)
+
+
+def test_kill_flag_and_expired_lease_end_cancelled(conn: db.Conn, claimers: Any) -> None:
+    j = enqueue(conn, "t.ok", {}, clock=at(0), timeout_seconds=5, visibility_timeout_seconds=VIS).id
+    claimers(clock=at(0)).claim(1)
+    result = ops.kill(conn, [j], actor=ops.Actor("tester"), reason="runaway")
+    assert result.changed == [j]
+    assert row(conn, j)["cancel_requested"] and row(conn, j)["state"] == "running"  # its worker would see it
+    # ... but the worker is gone: the next claim finishes the kill, without running it
+    rescuer = claimers(clock=at(VIS + 1))
+    assert rescuer.claim(4) == []
+    r = row(conn, j)
+    assert r["state"] == "cancelled" and r["attempts"] == 1 and not r["cancel_requested"]
+    assert r["finished_at"] == T0 + dt.timedelta(seconds=VIS + 1)
+    assert rescuer.metrics.totals[("default", "t.ok", "cancelled")] == 1
