@@ -1,0 +1,66 @@
+"""Heartbeats and frozen workers: a long job keeps its lease; a frozen worker's job is reclaimed after
+its visibility timeout, and when the frozen worker wakes up it cannot settle it (fencing)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.worker_core.helpers import job, ledger, running_worker, scalar, spawn_python, state, wait_for
+from worker_core import db
+from worker_core.producer import enqueue
+
+
+def test_heartbeat_extends_the_lease_of_a_running_job(dsn: str, conn: db.Conn) -> None:
+    jid = enqueue(conn, "t.slow", {"seconds": 4}, timeout_seconds=6, visibility_timeout_seconds=12).id
+    with running_worker(dsn, heartbeat_interval=0.2, concurrency=1):
+        first = wait_for(lambda: job(dsn, jid)["locked_until"] if state(dsn, jid) == "running" else None)
+        # a later heartbeat pushed the lease end further than the claim did
+        wait_for(lambda: job(dsn, jid)["locked_until"] > first + dt.timedelta(seconds=0.5), timeout=10)
+        wait_for(lambda: state(dsn, jid) == "succeeded", timeout=15)
+    assert job(dsn, jid)["lease_expirations"] == 0
+
+
+FROZEN_WORKER = textwrap.dedent(
+    """
+    import sys
+    from worker_core.worker import Worker, WorkerConfig
+    Worker(WorkerConfig(dsn=sys.argv[1], task_modules=("tests.worker_core.tasks",), concurrency=1,
+                        poll_interval=0.1, heartbeat_interval=0.3, worker_id="frozen")).run()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_frozen_worker_loses_its_job_and_cannot_settle_it_when_it_wakes(
+    dsn: str, conn: db.Conn, tmp_path: Path
+) -> None:
+    jid = enqueue(
+        conn, "t.slow", {"seconds": 2, "ledger": True, "item": "once"}, timeout_seconds=3, visibility_timeout_seconds=9
+    ).id
+    frozen = spawn_python(FROZEN_WORKER, dsn, log=tmp_path / "frozen.log")
+    try:
+        wait_for(lambda: job(dsn, jid)["locked_by"] == "frozen" and state(dsn, jid) == "running", timeout=20)
+        frozen.send_signal(signal.SIGSTOP)
+        # its lease runs out; an idle worker reclaims it, runs it alone, and it succeeds once
+        wait_for(lambda: scalar(dsn, "SELECT locked_until < now() FROM job_queue WHERE id = %s", (jid,)), timeout=15)
+        with running_worker(dsn, concurrency=2, heartbeat_interval=0.2):
+            wait_for(lambda: state(dsn, jid) == "succeeded", timeout=20)
+        row = job(dsn, jid)
+        assert row["lease_expirations"] == 1 and row["attempts"] == 2
+        assert [e["worker"] for e in row["errors"] if e["kind"] == "lease_expired"] == ["frozen"]
+        frozen.send_signal(signal.SIGCONT)
+        # the woken worker's handler finishes its write, but its settle is fenced off and rolls back
+        frozen.send_signal(signal.SIGTERM)
+        assert frozen.wait(30) == 0, (tmp_path / "frozen.log").read_text()
+    finally:
+        if frozen.poll() is None:
+            frozen.send_signal(signal.SIGCONT)
+            frozen.kill()
+            frozen.wait(10)
+    assert [r["item"] for r in ledger(dsn)] == ["once"]
+    assert state(dsn, jid) == "succeeded"
