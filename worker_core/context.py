@@ -26,6 +26,8 @@ class JobContext:
     #: the job's own transaction: a psycopg Connection (sync handlers) or AsyncConnection (async ones).
     #: Writes through it commit together with the idempotency record and the ``succeeded`` transition.
     tx: Any = None
+    #: the worker's database, for work that must happen outside the job's transaction
+    dsn: str | None = None
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     cancel_reason: str | None = None
 

@@ -81,6 +81,7 @@ def housekeeping(
             return None
         conn.execute(queries["prune_processed_keys"], {"now": now})
         conn.execute(queries["prune_resource_locks"], {"now": now})
+        conn.execute(queries["prune_single_flight"], {"now": now})
         conn.execute(queries["workers_prune"], {"before": now - dt.timedelta(days=1)})
         until = rollup_enqueued(conn, now)
         pruned = prune_finished(conn, now, retention)

@@ -118,6 +118,9 @@ class Worker:
         self.metrics = MetricsBuffer(clock)
         self.batch_size = config.batch_size or config.concurrency
         self._stopping = threading.Event()
+        #: set once the worker has fully stopped (after the grace period): ends the heartbeat thread, which
+        #: keeps extending leases and seeing kills of the jobs that finish during a graceful shutdown
+        self._halted = threading.Event()
         self._wake = threading.Event()
         self._slot_free = threading.Condition()
         self._in_flight: dict[uuid.UUID, Execution] = {}
@@ -196,12 +199,21 @@ class Worker:
                 self._slot_free.wait(0.1)
         for _ in range(self.config.concurrency):
             self._jobs.put(None)
+        # a burst run ends without stop(): end the heartbeat and listener threads (and their connections)
+        # too, or every embedded worker run would leave them behind. The listener ends within a second.
+        self._halted.set()
+        self._stopping.set()
+        for t in self._threads:
+            if t.name == "heartbeat":
+                t.join(5)
         try:
             self._flush_and_beat(final=True)
         except Exception as e:
             self.log.warning("could not record the worker's stop: %s", db.redact(str(e), self.dsn))
         if self._claim_conn is not None:
             self._claim_conn.close()
+        if self._hb_conn is not None:
+            self._hb_conn.close()
         self.log.info("worker stopped: %s jobs claimed, %s still in flight", self.claimed_total, len(self._in_flight))
 
     # ------------------------------------------------------------------ claiming
@@ -314,6 +326,7 @@ class Worker:
             tenant_id=row["tenant_id"],
             worker_id=self.id,
             logger=self.log.bind(**fields),
+            dsn=self.dsn,
         )
         ex = Execution(job=row, ctx=ctx)
         with self._slot_free:
@@ -344,7 +357,7 @@ class Worker:
                 backoff = min(backoff * 2, 10.0)
 
     def _heartbeat_main(self) -> None:
-        while not self._stopping.wait(self.config.heartbeat_interval):
+        while not self._halted.wait(self.config.heartbeat_interval):
             self._heartbeat_once()
 
     def _heartbeat_once(self) -> None:

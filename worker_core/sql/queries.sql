@@ -483,3 +483,22 @@ INSERT INTO job_metrics_minute AS m (minute, queue, job_type, dedup_hits)
 SELECT date_trunc('minute', %(now)s::timestamptz), r.queue, r.job_type, r.n
 FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(queue text, job_type text, n bigint)
 ON CONFLICT (minute, queue, job_type) DO UPDATE SET dedup_hits = m.dedup_hits + EXCLUDED.dedup_hits;
+
+------------------------------------------------------------------------------------------------------
+-- Single-flight refills (coordination.py)
+------------------------------------------------------------------------------------------------------
+
+-- name: single_flight_get
+SELECT value FROM single_flight_results WHERE key = %(key)s AND expires_at > %(now)s;
+
+-- name: single_flight_put
+INSERT INTO single_flight_results (key, value, refilled_at, expires_at)
+VALUES (%(key)s, %(value)s::jsonb, %(now)s, %(now)s + make_interval(secs => %(ttl)s))
+ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, refilled_at = EXCLUDED.refilled_at,
+    expires_at = EXCLUDED.expires_at;
+
+-- name: single_flight_forget
+DELETE FROM single_flight_results WHERE key = %(key)s;
+
+-- name: prune_single_flight
+DELETE FROM single_flight_results WHERE expires_at < %(now)s;

@@ -1,0 +1,38 @@
+"""Handlers for the rest of the contract: single-flight refills and optimistic writes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import worker_core
+from worker_core import JobContext, db
+from worker_core.coordination import single_flight
+from worker_core.optimistic import versioned_update
+
+FAST = worker_core.RetryPolicy(backoff="fixed", base_seconds=0.05, max_delay_seconds=0.05, jitter=0.5)
+
+
+def _refill(dsn: str) -> dict[str, Any]:
+    with db.connect(dsn, autocommit=True) as c:
+        c.execute("INSERT INTO refills DEFAULT VALUES")
+    time.sleep(0.5)  # an expensive upstream call
+    return {"eur_usd": 1.1}
+
+
+@worker_core.task("t.cached_rate", retry=FAST, max_attempts=20)
+def cached_rate(ctx: JobContext, payload: dict[str, Any]) -> None:
+    assert ctx.dsn is not None
+    dsn = ctx.dsn
+    value = single_flight("rates:eur_usd", ttl=60, refill=lambda: _refill(dsn), dsn=dsn, wait=20)
+    ctx.tx.execute("INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
+                   (ctx.job_id, str(value["eur_usd"]), ctx.attempt))  # fmt: skip
+
+
+@worker_core.task("t.deposit", retry=FAST, max_attempts=50)
+def deposit(ctx: JobContext, payload: dict[str, Any]) -> None:
+    row = ctx.tx.execute("SELECT balance, version FROM accounts WHERE id = %s", (payload["account"],)).fetchone()
+    time.sleep(payload.get("think", 0.2))  # read-modify-write with a gap another job can fall into
+    versioned_update(
+        ctx.tx, "accounts", {"id": payload["account"]}, row["version"], {"balance": row["balance"] + payload["amount"]}
+    )
