@@ -41,6 +41,32 @@ class Actor:
         return f"{self.os_user}@{self.ssh_client}" if self.ssh_client else self.os_user
 
 
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, Mapping) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: value}
+
+
+def payload_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """What an operator changed in a payload, by dotted path: ``{"customer.email": {"old": .., "new": ..}}``.
+    A path only on one side has ``old`` or ``new`` missing."""
+    a, b = _flatten(old), _flatten(new)
+    diff: dict[str, dict[str, Any]] = {}
+    for path in sorted(set(a) | set(b)):
+        if path in a and path in b and a[path] == b[path]:
+            continue
+        entry = {}
+        if path in a:
+            entry["old"] = a[path]
+        if path in b:
+            entry["new"] = b[path]
+        diff[path] = entry
+    return diff
+
+
 def ensure_writable(conn: Conn) -> None:
     row = conn.execute(queries["is_read_only"]).fetchone()
     if row and row["ro"]:
@@ -117,6 +143,11 @@ def requeue(
         detail: dict[str, Any] = {"budget": budget, "requested": len(ids)}
         if payload is not None:
             detail["payload"] = dict(payload)
+            detail["payload_diff"] = {
+                str(r["id"]): payload_diff(r["old_payload"], dict(payload))
+                for r in rows
+                if r["old_payload"] != dict(payload)
+            }
         audit_id = _audit(conn, now, actor, "requeue", job_ids=changed, reason=reason, detail=detail)
         for q in sorted({r["queue"] for r in rows}):
             conn.execute(queries["notify_queue"], {"queue": q})

@@ -382,15 +382,19 @@ SELECT current_setting('transaction_read_only') = 'on' AS ro;
 -- name: requeue_jobs
 -- Back to queued with a fresh budget. The history stays (attempts keep counting, so fencing stays
 -- unique); a live job holding the same dedup key wins, and this one is skipped.
+WITH old AS (
+    SELECT id, payload FROM job_queue WHERE id = ANY(%(ids)s) FOR UPDATE
+)
 UPDATE job_queue j SET
     state = 'queued', max_attempts = j.attempts + %(budget)s, scheduled_at = %(now)s, finished_at = NULL,
-    locked_until = NULL, cancel_requested = false, updated_at = %(now)s,
+    locked_until = NULL, cancel_requested = false, suspect = false, updated_at = %(now)s,
     payload = coalesce(%(payload)s::jsonb, j.payload)
-WHERE j.id = ANY(%(ids)s) AND j.state IN ('dead_lettered', 'failed', 'cancelled')
+FROM old
+WHERE j.id = old.id AND j.state IN ('dead_lettered', 'failed', 'cancelled')
   AND (j.dedup_key IS NULL OR NOT EXISTS (
         SELECT 1 FROM job_queue l
         WHERE l.dedup_key = j.dedup_key AND l.state IN ('queued', 'running', 'retry_scheduled')))
-RETURNING j.id, j.queue, j.max_attempts - j.attempts AS budget;
+RETURNING j.id, j.queue, j.max_attempts - j.attempts AS budget, old.payload AS old_payload;
 
 -- name: kill_waiting
 UPDATE job_queue SET state = 'cancelled', finished_at = %(now)s, updated_at = %(now)s,
