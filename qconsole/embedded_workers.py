@@ -47,6 +47,9 @@ class EmbeddedWorker:
     restarts: int = 0
     crashes: int = 0
     stopping: bool = False
+    #: crashes in a row, each within 30 s of its start (drives the restart backoff)
+    streak: int = 0
+    spawned_at: float = 0.0
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES))
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
@@ -184,6 +187,7 @@ class EmbeddedWorkers:
             return
         w.proc, w.pid, w.exit_code, w.stopping = proc, proc.pid, None, False
         w.started_at = dt.datetime.now(dt.timezone.utc)
+        w.spawned_at = time.monotonic()
         threading.Thread(target=self._read, args=(w, proc), name=f"embedded-worker-{w.number}", daemon=True).start()
 
     # ---------------------------------------------------------------- watching
@@ -214,12 +218,13 @@ class EmbeddedWorkers:
             crashed = code != 0 and not w.stopping
             if crashed:
                 w.crashes += 1
+                w.streak = w.streak + 1 if time.monotonic() - w.spawned_at < 30 else 1
             restarting = crashed and w.restart and not self._closed
         w.output.append(f"[exited with code {code}{'' if not crashed else ': crashed'}]")
         self._notify(w, restarting)
         if restarting:
-            # back off when it keeps dying: 1s, 2s, 4s... up to 30s
-            time.sleep(min(30.0, 2.0 ** min(w.crashes - 1, 5)))
+            # back off when it keeps dying right after starting: 1s, 2s, 4s... up to 30s
+            time.sleep(min(30.0, 2.0 ** min(w.streak - 1, 5)))
             with self._lock:
                 go = not self._closed and not w.stopping and w.proc is proc
             if go:

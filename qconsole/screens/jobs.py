@@ -97,12 +97,12 @@ class JobsScreen(ConsoleScreen):
     def _options(self, select_id: str, values: list[str]) -> None:
         if self._option_values.get(select_id) == values:
             return
-        select: Select[str] = self.query_one(select_id, Select)
-        keep = select.value
-        select.set_options([(v, v) for v in values])
+        widget: Select[str] = self.query_one(select_id, Select)
+        keep = widget.value
+        widget.set_options([(v, v) for v in values])
         self._option_values[select_id] = values
         if isinstance(keep, str) and keep in values:
-            select.value = keep
+            widget.value = keep
 
     def _refresh_options(self) -> None:
         f = self.filter
