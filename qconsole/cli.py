@@ -419,6 +419,29 @@ def resume(queue: Annotated[str, typer.Argument()], reason: ReasonOpt = None, ds
     output.action(result, queue)
 
 
+@app.command()
+def limit(
+    job_type: Annotated[str, typer.Argument()],
+    max_running: Annotated[int | None, typer.Argument(help="At most this many run at once (0 holds them).")] = None,
+    queue: Annotated[str, typer.Option("--queue", help="Only in this queue ('*': every queue).")] = "*",
+    clear: Annotated[bool, typer.Option("--clear", help="Remove the limit.")] = False,
+    reason: ReasonOpt = None,
+    dsn: DsnOpt = None,
+) -> None:
+    """Set (or --clear) a fleet-wide concurrency limit for a job type; with no number, list the limits."""
+    with connect(dsn, read_only=max_running is None and not clear) as conn:
+        if clear:
+            guarded(lambda: ops.clear_limit(conn, job_type, queue=queue, reason=reason))
+            typer.echo(f"cleared the limit of {job_type} in {queue}")
+        elif max_running is None:
+            for row in stats.limits(conn):
+                if row["job_type"] == job_type:
+                    typer.echo(f"{row['job_type']} {row['queue']} {row['max_running']} ({row['source']})")
+        else:
+            guarded(lambda: ops.set_limit(conn, job_type, max_running, queue=queue, reason=reason))
+            typer.echo(f"{job_type} in {queue}: at most {max_running} running")
+
+
 def main() -> None:
     try:
         app()

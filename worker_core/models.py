@@ -167,6 +167,8 @@ class TypeStats:
     #: age in seconds of the oldest job that is ready and waiting (queue lag)
     oldest_waiting_seconds: float = 0.0
     paused: bool = False
+    #: the global concurrency limit of the type in this queue, if any
+    concurrency_limit: int | None = None
     # rates over the recent window, per minute
     throughput_per_min: float = 0.0
     dlq_per_min: float = 0.0

@@ -213,3 +213,51 @@ def pause(conn: Conn, queue: str, **kwargs: Any) -> ActionResult:
 
 def resume(conn: Conn, queue: str, **kwargs: Any) -> ActionResult:
     return set_paused(conn, queue, False, **kwargs)
+
+
+def set_limit(
+    conn: Conn,
+    job_type: str,
+    max_running: int,
+    *,
+    queue: str = "*",
+    actor: Actor | None = None,
+    reason: str | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> ActionResult:
+    """At most ``max_running`` jobs of ``job_type`` (in ``queue``, or every queue) run at once, fleet-wide.
+    0 holds them all. Workers pick the change up within a heartbeat; jobs over the limit simply wait."""
+    if max_running < 0:
+        raise ValueError("a concurrency limit must be >= 0")
+    if queue != "*" and not QUEUE_RE.match(queue):
+        raise ValueError(f"{queue!r} is not a queue name")
+    actor = actor or Actor.current()
+    now = clock.now()
+    with conn.transaction():
+        ensure_writable(conn)
+        conn.execute(
+            queries["limit_set"],
+            {"job_type": job_type, "queue": queue, "max_running": max_running, "source": "operator",
+             "reason": reason, "now": now},
+        )  # fmt: skip
+        audit_id = _audit(
+            conn, now, actor, "limit", queue=None if queue == "*" else queue, reason=reason,
+            detail={"job_type": job_type, "queue": queue, "max_running": max_running},
+        )  # fmt: skip
+    return ActionResult("limit", 1, [], [], audit_id)
+
+
+def clear_limit(
+    conn: Conn, job_type: str, *, queue: str = "*", actor: Actor | None = None, reason: str | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> ActionResult:  # fmt: skip
+    actor = actor or Actor.current()
+    now = clock.now()
+    with conn.transaction():
+        ensure_writable(conn)
+        found = conn.execute(queries["limit_clear"], {"job_type": job_type, "queue": queue}).fetchone()
+        audit_id = _audit(
+            conn, now, actor, "unlimit", queue=None if queue == "*" else queue, reason=reason,
+            detail={"job_type": job_type, "queue": queue, "existed": found is not None},
+        )  # fmt: skip
+    return ActionResult("unlimit", 1, [], [], audit_id)

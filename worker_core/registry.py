@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -32,6 +32,8 @@ class Task:
     retry: RetryPolicy = DEFAULT_RETRY_POLICY
     #: the type has side effects: producers must give an idempotency_key
     requires_idempotency_key: bool = False
+    #: at most this many jobs of the type run at once across every worker (None: no limit)
+    concurrency: int | None = None
 
     @property
     def is_async(self) -> bool:
@@ -55,6 +57,8 @@ class Registry:
     def register(self, task: Task) -> Task:
         if not JOB_TYPE_RE.match(task.job_type):
             raise ValueError(f"job type {task.job_type!r} must match [a-z0-9_.-]+")
+        if task.concurrency is not None and task.concurrency < 1:
+            raise ValueError(f"job type {task.job_type!r}: concurrency must be >= 1")
         existing = self._tasks.get(task.job_type)
         if existing is not None and existing.fn is not task.fn:
             qual = getattr(existing.fn, "__qualname__", existing.fn)
@@ -72,7 +76,7 @@ class Registry:
     def __contains__(self, job_type: object) -> bool:
         return job_type in self._tasks
 
-    def __iter__(self) -> Iterable[Task]:
+    def __iter__(self) -> Iterator[Task]:
         return iter(sorted(self._tasks.values(), key=lambda t: t.job_type))
 
     def job_types(self) -> list[str]:
@@ -98,6 +102,7 @@ def task(
     visibility_timeout: float | None = None,
     retry: RetryPolicy | None = None,
     requires_idempotency_key: bool = False,
+    concurrency: int | None = None,
 ) -> Callable[[F], F]:
     """Register a handler ``fn(ctx, payload)`` for a job type."""
 
@@ -112,6 +117,7 @@ def task(
                 visibility_timeout=visibility_timeout,
                 retry=retry or DEFAULT_RETRY_POLICY,
                 requires_idempotency_key=requires_idempotency_key,
+                concurrency=concurrency,
             )
         )
         return fn

@@ -56,8 +56,10 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
         }
         series_rows = conn.execute(queries["stats_series"], {"since": _ago(now, SERIES_MINUTES)}).fetchall()
         queue_rows = conn.execute(queries["queues_list"]).fetchall()
+        limit_rows = conn.execute(queries["limits_list"]).fetchall()
         worker_rows = workers(conn, clock)
     paused = {q["name"] for q in queue_rows if q["paused"]}
+    type_limits = {(r["job_type"], r["queue"]): r["max_running"] for r in limit_rows}
     types = []
     for key in sorted(set(rows) | set(window)):
         r, w = rows.get(key, {}), window.get(key, {})
@@ -75,6 +77,7 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
                 cancelled=int(w.get("cancelled") or 0),
                 oldest_waiting_seconds=float(r.get("oldest_waiting_seconds", 0.0)),
                 paused=key[0] in paused,
+                concurrency_limit=type_limits.get((key[1], key[0]), type_limits.get((key[1], "*"))),
                 throughput_per_min=float(w.get("succeeded") or 0) * per_min,
                 dlq_per_min=float(w.get("dead_lettered") or 0) * per_min,
                 lease_expirations_per_min=float(w.get("lease_expirations") or 0) * per_min,
@@ -257,9 +260,7 @@ def latency_series(
             if 0 <= i < minutes:
                 sums[r[by]][i] += r["latency_ms_sum"]
                 counts[r[by]][i] += r["started"]
-    return {
-        key: [s / c / 1000.0 if c else 0.0 for s, c in zip(sums[key], counts[key], strict=True)] for key in sums
-    }
+    return {key: [s / c / 1000.0 if c else 0.0 for s, c in zip(sums[key], counts[key], strict=True)] for key in sums}
 
 
 def attempts_distribution(
@@ -271,3 +272,8 @@ def attempts_distribution(
     for r in conn.execute(queries["stats_attempts_distribution"], {"since": since}):
         out[r["job_type"]][int(r["attempts"])] = int(r["n"])
     return dict(out)
+
+
+def limits(conn: Conn) -> list[dict[str, Any]]:
+    """Every global concurrency limit: job_type, queue ('*' for all), max_running, source, reason."""
+    return conn.execute(queries["limits_list"]).fetchall()

@@ -130,6 +130,9 @@ class Worker:
         self._last_housekeeping = 0.0
         #: lease-expired jobs or suspects are waiting: drain, then claim one to run alone
         self._want_solo = True
+        #: (job_type, queue scope, max running) of the limited types this worker handles; refreshed on heartbeats
+        self._limits: list[tuple[str, str, int]] = []
+        self._limit_turn = 0
         self.zombies = 0
         self.claimed_total = 0
 
@@ -248,6 +251,7 @@ class Worker:
         if not rows or all(r["state"] != "running" for r in rows):
             with conn.transaction():
                 rows += conn.execute(queries["claim"], self._claim_params(limit)).fetchall()
+            rows += self._claim_limited(conn, limit - len(rows))
         running = []
         for row in rows:
             if row["reclaimed"]:
@@ -264,6 +268,36 @@ class Worker:
                 self.metrics.add(row["queue"], row["job_type"], "cancelled")
         running.sort(key=lambda r: (r["priority"], r["scheduled_at"], r["id"]))
         return running
+
+    def _claim_limited(self, conn: db.Conn, free: int) -> list[dict[str, Any]]:
+        """Claims for the job types with a global concurrency limit, one (type, scope) at a time."""
+        rows: list[dict[str, Any]] = []
+        limits = self._limits
+        if not limits:
+            return rows
+        start = self._limit_turn % len(limits)
+        self._limit_turn += 1
+        for job_type, scope, max_running in limits[start:] + limits[:start]:
+            if free - len(rows) <= 0:
+                break
+            params = {**self._claim_params(free - len(rows)), "job_type": job_type, "scope": scope}
+            with conn.transaction():
+                conn.execute(queries["limit_lock"], params)
+                rows += conn.execute(queries["claim_limited"], {**params, "max_running": max_running}).fetchall()
+        return rows
+
+    def _refresh_limits(self, conn: db.Conn) -> None:
+        with conn.transaction():
+            now = self.clock.now()
+            for t in self.registry:
+                if t.concurrency is not None:
+                    conn.execute(
+                        queries["limit_set_from_task"],
+                        {"job_type": t.job_type, "max_running": t.concurrency, "reason": "@task(concurrency=...)",
+                         "now": now},
+                    )  # fmt: skip
+            found = conn.execute(queries["limits_for_types"], {"job_types": self.registry.job_types()}).fetchall()
+        self._limits = [(r["job_type"], r["scope"], r["max_running"]) for r in found]
 
     def _free_slots(self) -> int:
         return self.config.concurrency - len(self._in_flight)
@@ -413,6 +447,8 @@ class Worker:
                     },
                 )
         self.metrics.flush(conn)
+        if not final:
+            self._refresh_limits(conn)
         if not final and not self._want_solo:
             with conn.transaction():
                 row = conn.execute(queries["solo_work_waiting"], self._claim_params(1)).fetchone()

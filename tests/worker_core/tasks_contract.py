@@ -36,3 +36,14 @@ def deposit(ctx: JobContext, payload: dict[str, Any]) -> None:
     versioned_update(
         ctx.tx, "accounts", {"id": payload["account"]}, row["version"], {"balance": row["balance"] + payload["amount"]}
     )
+
+
+@worker_core.task("t.limited", retry=FAST, concurrency=2, timeout=20)
+def limited(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Records when it ran; the test computes the peak overlap across every process."""
+    start = time.time()
+    time.sleep(payload.get("seconds", 0.15))
+    ctx.tx.execute(
+        "INSERT INTO intervals (job_id, started, ended) VALUES (%s, to_timestamp(%s), to_timestamp(%s))",
+        (ctx.job_id, start, time.time()),
+    )

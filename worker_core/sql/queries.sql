@@ -59,6 +59,8 @@ WITH ready AS MATERIALIZED (
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
       AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
+      AND NOT EXISTS (SELECT 1 FROM concurrency_limits l
+                      WHERE l.job_type = job_queue.job_type AND l.queue IN ('*', job_queue.queue))
     ORDER BY priority, scheduled_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -136,6 +138,67 @@ UPDATE job_queue j SET
 FROM decided d
 WHERE j.id = d.id
 RETURNING j.*, d.expired AS reclaimed;
+
+-- name: claim_limited
+-- One limited (job type, queue scope) at a time, serialized by an advisory lock on it: count what runs,
+-- claim at most the difference. Run in a transaction after `limit_lock`.
+WITH running AS (
+    SELECT count(*) AS n FROM job_queue
+    WHERE state = 'running' AND job_type = %(job_type)s AND (%(scope)s = '*' OR queue = %(scope)s)
+      AND NOT (%(scope)s = '*' AND EXISTS (SELECT 1 FROM concurrency_limits l
+                                         WHERE l.job_type = job_queue.job_type AND l.queue = job_queue.queue))
+), ready AS MATERIALIZED (
+    SELECT id FROM job_queue
+    WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s AND NOT suspect
+      AND job_type = %(job_type)s AND (%(scope)s = '*' OR queue = %(scope)s)
+      AND NOT (%(scope)s = '*' AND EXISTS (SELECT 1 FROM concurrency_limits l
+                                         WHERE l.job_type = job_queue.job_type AND l.queue = job_queue.queue))
+      AND (%(all_queues)s OR queue = ANY(%(queues)s))
+      AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
+    ORDER BY priority, scheduled_at, id
+    LIMIT greatest(0, least(%(limit)s, %(max_running)s - (SELECT n FROM running)))
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE job_queue j SET
+    state = 'running',
+    attempts = j.attempts + 1,
+    locked_by = %(worker)s,
+    locked_until = %(now)s + make_interval(secs => j.visibility_timeout_seconds),
+    started_at = %(now)s,
+    ran_solo = false,
+    updated_at = %(now)s
+FROM ready r
+WHERE j.id = r.id
+RETURNING j.*, false AS reclaimed;
+
+-- name: limit_lock
+SELECT pg_advisory_xact_lock(hashtext('qconsole-limit:' || %(job_type)s || ':' || %(scope)s));
+
+-- name: limits_for_types
+-- The most specific limit wins: a queue's own limit over the '*' one.
+SELECT job_type, queue AS scope, max_running FROM concurrency_limits WHERE job_type = ANY(%(job_types)s)
+ORDER BY job_type, queue;
+
+-- name: limits_list
+SELECT job_type, queue, max_running, source, reason, updated_at FROM concurrency_limits ORDER BY job_type, queue;
+
+-- name: limit_set
+INSERT INTO concurrency_limits (job_type, queue, max_running, source, reason, updated_at)
+VALUES (%(job_type)s, %(queue)s, %(max_running)s, %(source)s, %(reason)s, %(now)s)
+ON CONFLICT (job_type, queue) DO UPDATE SET max_running = EXCLUDED.max_running, source = EXCLUDED.source,
+    reason = EXCLUDED.reason, updated_at = EXCLUDED.updated_at
+RETURNING job_type;
+
+-- name: limit_clear
+DELETE FROM concurrency_limits WHERE job_type = %(job_type)s AND queue = %(queue)s RETURNING job_type;
+
+-- name: limit_set_from_task
+-- A worker declares its @task limits; an operator's limit (source 'operator') is not overwritten.
+INSERT INTO concurrency_limits (job_type, queue, max_running, source, reason, updated_at)
+VALUES (%(job_type)s, '*', %(max_running)s, 'task', %(reason)s, %(now)s)
+ON CONFLICT (job_type, queue) DO UPDATE SET max_running = EXCLUDED.max_running, updated_at = EXCLUDED.updated_at,
+    reason = EXCLUDED.reason
+    WHERE concurrency_limits.source = 'task';
 
 -- name: solo_work_waiting
 SELECT EXISTS (

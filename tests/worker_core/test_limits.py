@@ -1,0 +1,71 @@
+"""Global concurrency limits per job type, enforced by the claim in PostgreSQL with no coordinator."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.worker_core.helpers import ROOT, run_burst, running_worker, scalar, subprocess_env, wait_for
+from worker_core import db, ops, stats
+from worker_core.producer import enqueue, enqueue_many
+
+TASK_MODULES = "tests.worker_core.tasks_contract,tests.worker_core.tasks"
+PEAK = """
+SELECT coalesce(max(n), 0) FROM (
+    SELECT (SELECT count(*) FROM intervals b WHERE b.started <= a.started AND b.ended > a.started) AS n
+    FROM intervals a) s
+"""
+
+
+@pytest.mark.slow
+def test_four_processes_never_run_more_than_the_limit(dsn: str, conn: db.Conn, tmp_path: Path) -> None:
+    enqueue_many(conn, [("t.limited", {"seconds": 0.15}) for _ in range(40)])
+    enqueue_many(conn, [("t.ok", {}) for _ in range(40)])  # unlimited work flows beside it
+    log = open(tmp_path / "workers.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qconsole", "worker", "--tasks", TASK_MODULES,
+         "--processes", "4", "--concurrency", "4", "--poll-interval", "0.05", "--heartbeat", "0.2", "--burst"],
+        cwd=ROOT, env={**subprocess_env(), "QCONSOLE_DSN": dsn}, stdout=log, stderr=log,
+    )  # fmt: skip
+    try:
+        assert proc.wait(120) == 0, (tmp_path / "workers.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    assert scalar(dsn, "SELECT count(*) FROM intervals") == 40
+    assert scalar(dsn, "SELECT count(*) FROM job_queue WHERE state = 'succeeded'") == 80
+    assert scalar(dsn, PEAK) <= 2
+    assert scalar(dsn, PEAK) == 2, "with 16 slots and 40 jobs the limit should have been reached"
+    by_type = {t.job_type: t for t in stats.overview(conn).types}
+    assert by_type["t.limited"].concurrency_limit == 2
+
+
+def test_jobs_over_the_limit_wait_and_an_operator_can_throttle_a_queue(dsn: str, conn: db.Conn) -> None:
+    enqueue_many(conn, [("t.limited", {"seconds": 0.05}, {"queue": "slow"}) for _ in range(6)])
+    ops.set_limit(conn, "t.limited", 1, queue="slow", reason="upstream rate limit")
+    worker = run_burst(dsn, task_modules=("tests.worker_core.tasks_contract",), concurrency=4)
+    assert scalar(dsn, "SELECT count(*) FROM job_queue WHERE state = 'succeeded'") == 6
+    assert scalar(dsn, PEAK) == 1
+    # waiting for the limit is neither a failure nor a retry
+    assert scalar(dsn, "SELECT max(attempts) FROM job_queue") == 1
+    assert worker.claimed_total == 6
+    limits = {(r["job_type"], r["queue"]): r for r in stats.limits(conn)}
+    assert limits[("t.limited", "slow")]["max_running"] == 1
+    assert limits[("t.limited", "slow")]["source"] == "operator"
+    assert stats.audit_log(conn, 1)[0].action == "limit"
+    ops.clear_limit(conn, "t.limited", queue="slow")
+    assert ("t.limited", "slow") not in {(r["job_type"], r["queue"]) for r in stats.limits(conn)}
+
+
+def test_a_limit_of_zero_holds_every_job_of_the_type(dsn: str, conn: db.Conn) -> None:
+    held = enqueue(conn, "t.ok", {}).id
+    other = enqueue(conn, "t.flaky", {"fail_times": 0}).id
+    ops.set_limit(conn, "t.ok", 0, reason="incident: stop this type")
+    with running_worker(dsn):
+        wait_for(lambda: scalar(dsn, "SELECT state FROM job_queue WHERE id = %s", (other,)) == "succeeded")
+    assert scalar(dsn, "SELECT state FROM job_queue WHERE id = %s", (held,)) == "queued"
