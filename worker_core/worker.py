@@ -133,6 +133,9 @@ class Worker:
         #: (job_type, queue scope, max running) of the limited types this worker handles; refreshed on heartbeats
         self._limits: list[tuple[str, str, int]] = []
         self._limit_turn = 0
+        #: a burst run does not end before this (monotonic) time: a job it gave back on lock contention is
+        #: queued a little in the future, which ``burst_remaining`` does not count as work still to do
+        self._burst_hold_until = 0.0
         self.zombies = 0
         self.claimed_total = 0
 
@@ -333,7 +336,12 @@ class Worker:
                 self._dispatch(row)
             if len(rows) == limit or self._want_solo:
                 continue
-            if self.config.burst and not self._in_flight and self._burst_done():
+            if (
+                self.config.burst
+                and not self._in_flight
+                and time.monotonic() >= self._burst_hold_until
+                and self._burst_done()
+            ):
                 self.log.info("burst: nothing ready or running, exiting")
                 break
             self._wake.wait(self._idle_wait())
@@ -554,6 +562,7 @@ class Slot:
                 w.metrics.add(job["queue"], job["job_type"], "lock_contention")
                 delay = w.config.lock_contention_delay * random.uniform(0.8, 1.5)
                 ctx.logger.info("lock contention on %s: rescheduled in %.1fs", job["lock_key"], delay)
+                w._burst_hold_until = max(w._burst_hold_until, time.monotonic() + delay)
                 self.release(ex, delay)
                 return
             ex.lock = (job["lock_key"], token)

@@ -152,12 +152,9 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def spawn_python(code: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", code, *args],
-        cwd=str(ROOT),
-        env=subprocess_env(),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+def spawn_python(code: str, *args: str, log: Path) -> subprocess.Popen[bytes]:
+    """``python -c code args...`` from the checkout; its output goes to ``log`` (a pipe could fill and block)."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-c", code, *args], cwd=str(ROOT), env=subprocess_env(), stdout=out, stderr=out
+        )

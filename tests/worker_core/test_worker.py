@@ -1,0 +1,487 @@
+"""Every state transition of DESIGN.md through real Workers (threads of this process, or processes), and
+the guarantees around them: timeouts, fencing, exactly-once effects, dedup vs idempotency, retry delays
+from the policy (injected clock), lock_key leases, kills, requeue, pause, graceful shutdown, --processes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import signal
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.worker_core.helpers import (
+    TASKS,
+    WorkerThread,
+    config,
+    job,
+    ledger,
+    metric,
+    run_burst,
+    running_worker,
+    scalar,
+    spawn_python,
+    state,
+    wait_for,
+)
+from worker_core import FixedClock, RetryPolicy, db, enqueue, ops
+from worker_core.supervisor import Supervisor
+from worker_core.worker import Worker
+
+ME = ops.Actor("tester")
+
+
+def kinds(dsn: str, job_id: uuid.UUID) -> list[str]:
+    return [e["kind"] for e in job(dsn, job_id)["errors"]]
+
+
+def assert_settled(row: dict[str, Any], state_: str, attempts: int) -> None:
+    assert (row["state"], row["attempts"]) == (state_, attempts), row["errors"]
+    assert row["locked_until"] is None and row["finished_at"] is not None
+
+
+# --------------------------------------------------------------------------- the state machine
+
+
+def test_ok_succeeds_once(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.ok", {"ledger": True, "item": "a"}).id
+    run_burst(dsn)
+    row = job(dsn, j)
+    assert_settled(row, "succeeded", 1)
+    assert row["errors"] == [] and row["started_at"] is not None
+    assert ledger(dsn) == [{"job_id": j, "item": "a", "attempt": 1}]
+    assert metric(dsn, "succeeded") == 1 and metric(dsn, "started") == 1
+
+
+def test_transient_errors_are_retried_then_succeed(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.flaky", {"fail_times": 2, "ledger": True}).id
+    run_burst(dsn)
+    row = job(dsn, j)
+    assert_settled(row, "succeeded", 3)
+    assert [(e["kind"], e["class"], e["attempt"]) for e in row["errors"]] == [
+        ("transient", "TransientError", 1),
+        ("transient", "TransientError", 2),
+    ]
+    assert row["errors"][1]["message"] == "upstream 503 on attempt 2"
+    assert [r["attempt"] for r in ledger(dsn)] == [3]
+    assert metric(dsn, "retried") == 2 and metric(dsn, "succeeded") == 1
+
+
+def test_permanent_error_fails_at_once(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.permanent", {"invoice": "inv_42"}, max_attempts=5).id
+    run_burst(dsn)
+    row = job(dsn, j)
+    assert_settled(row, "failed", 1)
+    assert kinds(dsn, j) == ["permanent"]
+    assert row["last_error"] == "PermanentError: invoice inv_42 does not exist"
+    assert row["error_fingerprint"] == "PermanentError: invoice <id> does not exist"
+    assert metric(dsn, "failed") == 1 and metric(dsn, "retried") == 0
+
+
+def test_unknown_errors_are_retried_as_anomalies_then_dead_lettered(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.unknown", {"key": "customer_id"}).id  # max_attempts=2 from the task
+    run_burst(dsn)
+    row = job(dsn, j)
+    assert_settled(row, "dead_lettered", 2)
+    assert [(e["kind"], e["class"]) for e in row["errors"]] == [("unknown", "KeyError")] * 2
+    assert metric(dsn, "anomalies") == 2 and metric(dsn, "retried") == 1 and metric(dsn, "dead_lettered") == 1
+
+
+def test_base_exceptions_belong_to_their_job_and_the_worker_carries_on(conn: db.Conn, dsn: str) -> None:
+    bad = {k: enqueue(conn, "t.base_exc", {"kind": k}).id for k in ("exit", "interrupt", "memory", "recursion")}
+    good = [enqueue(conn, "t.ok", {"ledger": True, "item": str(i)}).id for i in range(6)]
+    w = run_burst(dsn, concurrency=4)  # returns 0: the worker survived all of them
+    classes = {"exit": "SystemExit", "interrupt": "KeyboardInterrupt", "memory": "MemoryError",
+               "recursion": "RecursionError"}  # fmt: skip
+    for k, j in bad.items():
+        row = job(dsn, j)
+        assert_settled(row, "dead_lettered", 1)  # max_attempts=1
+        assert [(e["kind"], e["class"]) for e in row["errors"]] == [("unknown", classes[k])]
+    for j in good:
+        assert state(dsn, j) == "succeeded"
+    assert len(ledger(dsn)) == 6
+    assert w.claimed_total == 10
+
+
+def test_a_finished_burst_worker_leaves_no_thread_or_connection_behind(conn: db.Conn, dsn: str) -> None:
+    enqueue(conn, "t.ok", {})
+    w = run_burst(dsn)
+    wait_for(lambda: not any(t.is_alive() for t in w._threads), 10, what="the worker's threads to end")
+    workers = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s"
+    wait_for(lambda: scalar(dsn, workers, (w.config.application_name,)) == 0, 10, what="its connections to close")
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+def test_cooperative_sync_handler_is_stopped_at_its_timeout(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.slow", {"seconds": 60, "ledger": True}, timeout_seconds=0.5, max_attempts=1).id
+    w = run_burst(dsn)
+    row = job(dsn, j)
+    assert_settled(row, "dead_lettered", 1)
+    assert [(e["kind"], e["class"]) for e in row["errors"]] == [("timeout", "JobTimeout")]
+    assert "timeout of 0.5s" in row["last_error"]
+    assert ledger(dsn) == [] and w.zombies == 0
+    assert metric(dsn, "timeouts") == 1
+
+
+@pytest.mark.parametrize("cancel_grace", [0.2, 4.0], ids=["abandoned", "waited-for"])
+def test_stubborn_sync_handler_times_out_and_its_late_write_never_commits(
+    conn: db.Conn, dsn: str, cancel_grace: float
+) -> None:
+    # timeout 1 s; the handler ignores cancellation, sleeps 2.5 s, then writes to the ledger through ctx.tx
+    j = enqueue(conn, "t.stubborn", {"seconds": 2.5, "item": "late"}).id
+    w = run_burst(dsn, cancel_grace=cancel_grace)
+    row = job(dsn, j)
+    assert_settled(row, "dead_lettered", 1)
+    assert kinds(dsn, j) == ["timeout"]
+    assert w.zombies == (1 if cancel_grace < 1.5 else 0)
+    # the handler's thread has finished its late write attempt by now: nothing of it is in the database
+    wait_for(lambda: not any(t.name == f"job-{j}" and t.is_alive() for t in threading.enumerate()), 15,
+             what="the abandoned handler to finish")  # fmt: skip
+    assert ledger(dsn) == []
+
+
+def test_async_handler_is_cancelled_at_its_timeout(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.async_slow", {"seconds": 60}).id  # timeout 1 s, max_attempts 1
+    ok = enqueue(conn, "t.async_ok", {"item": "after"}).id
+    run_burst(dsn, concurrency=1)
+    assert_settled(job(dsn, j), "dead_lettered", 1)
+    assert kinds(dsn, j) == ["timeout"]
+    assert state(dsn, ok) == "succeeded"  # the slot's event loop and connection still work
+    assert [r["job_id"] for r in ledger(dsn)] == [ok]
+
+
+# --------------------------------------------------------------------------- fencing and exactly once
+
+
+def take_over(dsn: str, job_id: uuid.UUID, clock: FixedClock) -> Worker | None:
+    """A worker B whose clock says the job's lease expired claims it; None if the row was busy (SKIP LOCKED
+    skips it while the holder's heartbeat updates it)."""
+    b = Worker(config(dsn), clock=clock)
+    try:
+        rows = b.claim(1)
+    finally:
+        if b._claim_conn is not None:
+            b._claim_conn.close()
+    assert [r["id"] for r in rows] in ([], [job_id])
+    return b if rows else None
+
+
+@pytest.mark.parametrize("heartbeat", [0.1, 30.0], ids=["heartbeat-sees-it", "settle-fence-refuses"])
+def test_a_worker_whose_lease_was_taken_over_cannot_settle_and_rolls_back(
+    conn: db.Conn, dsn: str, heartbeat: float
+) -> None:
+    j = enqueue(conn, "t.ledger", {"item": "fenced", "sleep": 1.0}, idempotency_key="fence-1").id
+    a = WorkerThread(dsn, burst=False, heartbeat_interval=heartbeat).start()
+    try:
+        wait_for(lambda: job(dsn, j)["locked_by"] == a.worker.id, 10, what="worker A to claim")
+        # A is inside the handler (its ledger write is done, uncommitted) when B takes the job over: to B's
+        # clock, A's lease has expired (A froze, as far as anyone can tell)
+        later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=1000)
+        b = wait_for(lambda: take_over(dsn, j, FixedClock(later)), 10, what="B to take the job over")
+        wait_for(lambda: a.worker.claimed_total == 1 and not a.worker._in_flight, 15, what="A to give up the job")
+    finally:
+        a.stop()
+    row = job(dsn, j)
+    assert (row["state"], row["locked_by"], row["attempts"]) == ("running", b.id, 2)  # A did not settle it
+    assert ledger(dsn) == []  # A's write was rolled back
+    assert scalar(dsn, "SELECT count(*) FROM processed_keys") == 0
+
+    # B dies too; whoever rescues it runs it once, for good
+    rescue_clock = FixedClock(later + dt.timedelta(seconds=row["visibility_timeout_seconds"] + 1))
+    run_burst(dsn, clock=rescue_clock)
+    assert_settled(job(dsn, j), "succeeded", 3)
+    assert ledger(dsn) == [{"job_id": j, "item": "fenced", "attempt": 3}]
+
+
+def test_effect_happens_once_when_the_handler_fails_after_writing(conn: db.Conn, dsn: str) -> None:
+    ids = [enqueue(conn, "t.ledger", {"item": f"i{n}", "fail_after_write": 2}, idempotency_key=f"k{n}").id
+           for n in range(4)]  # fmt: skip
+    failing_async = enqueue(conn, "t.async_ok", {"item": "never", "fail": True}, max_attempts=2).id
+    run_burst(dsn)
+    for j in ids:
+        assert_settled(job(dsn, j), "succeeded", 3)
+    assert_settled(job(dsn, failing_async), "dead_lettered", 2)
+    rows = ledger(dsn)
+    assert sorted((r["job_id"], r["attempt"]) for r in rows) == sorted((j, 3) for j in ids)
+
+
+def test_dedup_key_collapses_live_duplicates_and_frees_after_the_first_finishes(conn: db.Conn, dsn: str) -> None:
+    first = enqueue(conn, "t.ok", {"ledger": True, "item": "first"}, dedup_key="report:7")
+    dup = enqueue(conn, "t.ok", {"ledger": True, "item": "dup"}, dedup_key="report:7")
+    assert first.created and not dup.created and dup.duplicate_of == first.id
+    run_burst(dsn)
+    assert state(dsn, first.id) == "succeeded"
+    again = enqueue(conn, "t.ok", {"ledger": True, "item": "again"}, dedup_key="report:7")
+    assert again.created and again.id != first.id
+    run_burst(dsn)
+    assert [r["item"] for r in ledger(dsn)] == ["first", "again"]
+
+
+def test_idempotency_key_gives_one_effect_even_when_both_jobs_run_at_the_same_moment(
+    conn: db.Conn, dsn: str
+) -> None:
+    # two messages, one business effect: both are jobs (no dedup key), both succeed, one effect
+    a = enqueue(conn, "t.ledger", {"item": "invoice-1", "sleep": 0.5}, idempotency_key="invoice:inv_1").id
+    b = enqueue(conn, "t.ledger", {"item": "invoice-1", "sleep": 0.5}, idempotency_key="invoice:inv_1").id
+    run_burst(dsn, concurrency=2)
+    ra, rb = job(dsn, a), job(dsn, b)
+    assert ra["started_at"] == rb["started_at"]  # claimed together: they did run at the same moment
+    assert_settled(ra, "succeeded", 1)
+    assert_settled(rb, "succeeded", 1)
+    (effect,) = ledger(dsn)
+    assert effect["job_id"] in (a, b)
+    assert scalar(dsn, "SELECT job_id FROM processed_keys WHERE idempotency_key = 'invoice:inv_1'") == effect["job_id"]
+    assert metric(dsn, "idempotency_hits") == 1 and metric(dsn, "succeeded") == 2
+
+
+# --------------------------------------------------------------------------- retry delays, injected clock
+
+
+POLICIES = [
+    ("type-default", None, [0.05, 0.05, 0.05]),  # t.flaky's FAST policy
+    # an override is merged with the type's policy (FAST caps delays at 0.05 s): give the cap too
+    ("fixed", {"backoff": "fixed", "base_seconds": 7, "max_delay_seconds": 600, "jitter": 0}, [7, 7, 7]),
+    ("linear", {"backoff": "linear", "base_seconds": 3, "max_delay_seconds": 600, "jitter": 0}, [3, 6, 9]),
+    ("exponential-capped", {"backoff": "exponential", "base_seconds": 2, "max_delay_seconds": 5, "jitter": 0},
+     [2, 4, 5]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("policy", "delays"), [p[1:] for p in POLICIES], ids=[p[0] for p in POLICIES])
+def test_retry_delays_follow_the_policy(conn: db.Conn, dsn: str, policy: Any, delays: list[float]) -> None:
+    clock = FixedClock(dt.datetime.now(dt.timezone.utc).replace(microsecond=0))
+    fields = {"retry_policy": policy} if policy else {}
+    j = enqueue(conn, "t.flaky", {"fail_times": 99}, max_attempts=len(delays) + 1, clock=clock, **fields).id
+    with running_worker(dsn, clock=clock):
+        for attempt, delay in enumerate(delays, start=1):
+            row = wait_for(lambda a=attempt: (r := job(dsn, j))["attempts"] == a and r["state"] == "retry_scheduled"
+                           and r, 10, what=f"retry after attempt {attempt}")  # fmt: skip
+            failed_at = clock.now()
+            assert row["scheduled_at"] == failed_at + dt.timedelta(seconds=delay)
+            assert row["errors"][-1]["at"] == failed_at.isoformat()
+            clock.advance(delay)  # due exactly now: claimable
+        wait_for(lambda: state(dsn, j) == "dead_lettered", 10, what="the last attempt")
+    assert job(dsn, j)["attempts"] == len(delays) + 1
+
+
+def test_retry_jitter_stays_within_its_bounds(conn: db.Conn, dsn: str) -> None:
+    clock = FixedClock(dt.datetime.now(dt.timezone.utc).replace(microsecond=0))
+    policy = RetryPolicy("exponential", base_seconds=10, max_delay_seconds=12, jitter=0.5)
+    ids = [enqueue(conn, "t.flaky", {"fail_times": 99}, retry_policy=policy, clock=clock).id for _ in range(8)]
+    with running_worker(dsn, clock=clock):
+        rows = [wait_for(lambda j=j: (r := job(dsn, j))["state"] == "retry_scheduled" and r, 10) for j in ids]
+    delays = [(r["scheduled_at"] - clock.now()).total_seconds() for r in rows]
+    assert all(5 <= d <= 12 for d in delays), delays  # 10 +- 50%, capped at 12
+    assert len(set(delays)) > 1, "no jitter at all"
+
+
+# --------------------------------------------------------------------------- lock_key
+
+
+def _assert_never_overlapped(dsn: str, ids: list[uuid.UUID]) -> None:
+    with db.connect(dsn, autocommit=True) as c:
+        rows = c.execute(
+            "SELECT job_id, started, ended FROM intervals WHERE job_id = ANY(%s) ORDER BY started", (ids,)
+        ).fetchall()
+        overlaps = c.execute(
+            """SELECT count(*) AS n FROM intervals a JOIN intervals b
+               ON a.job_id < b.job_id AND tstzrange(a.started, a.ended) && tstzrange(b.started, b.ended)
+               WHERE a.job_id = ANY(%(ids)s) AND b.job_id = ANY(%(ids)s)""",
+            {"ids": ids},
+        ).fetchone()
+    assert sorted(r["job_id"] for r in rows) == sorted(ids)
+    assert overlaps == {"n": 0}, rows
+    for j in ids:
+        row = job(dsn, j)
+        # contention rescheduled it and gave the attempt back: never a failure
+        assert_settled(row, "succeeded", 1)
+        assert row["errors"] == []
+    assert metric(dsn, "lock_contention") >= 1
+
+
+def test_jobs_sharing_a_lock_key_never_overlap(conn: db.Conn, dsn: str) -> None:
+    ids = [enqueue(conn, "t.locked", {"seconds": 0.2}, lock_key="order:ord_987").id for _ in range(4)]
+    free = enqueue(conn, "t.locked", {"seconds": 0.2}, lock_key="order:other").id
+    run_burst(dsn, concurrency=5)
+    _assert_never_overlapped(dsn, ids)
+    assert state(dsn, free) == "succeeded"
+    assert scalar(dsn, "SELECT count(*) FROM resource_locks") == 0  # every lease released
+
+
+REDIS = "redis://127.0.0.1:6379/15"
+
+
+@pytest.fixture
+def redis_url() -> str:
+    redis = pytest.importorskip("redis")
+    try:
+        redis.Redis.from_url(REDIS, socket_connect_timeout=1).ping()
+    except Exception as e:
+        pytest.skip(f"Redis is not reachable at {REDIS}: {e}")
+    return REDIS
+
+
+def test_jobs_sharing_a_lock_key_never_overlap_with_the_redis_backend(
+    conn: db.Conn, dsn: str, redis_url: str
+) -> None:
+    import redis
+
+    key = f"order:{uuid.uuid4().hex}"  # suites may share this Redis
+    ids = [enqueue(conn, "t.locked", {"seconds": 0.2}, lock_key=key).id for _ in range(4)]
+    run_burst(dsn, concurrency=4, lock_backend=redis_url)
+    _assert_never_overlapped(dsn, ids)
+    assert scalar(dsn, "SELECT count(*) FROM resource_locks") == 0  # the PostgreSQL backend was not used
+    assert redis.Redis.from_url(redis_url).exists(f"qconsole:lock:{key}") == 0  # released
+
+
+# --------------------------------------------------------------------------- operator actions
+
+
+def test_kill_of_a_waiting_job_cancels_it_and_it_never_runs(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.ok", {"ledger": True}).id
+    result = ops.kill(conn, [j], actor=ME, reason="wrong customer")
+    assert result.changed == [j]
+    row = job(dsn, j)
+    assert (row["state"], row["attempts"]) == ("cancelled", 0)
+    assert row["errors"][-1]["kind"] == "cancelled" and "tester" in row["last_error"]
+    run_burst(dsn)
+    assert state(dsn, j) == "cancelled" and ledger(dsn) == []
+
+
+def test_kill_of_a_running_job_is_seen_within_a_heartbeat_and_never_retried(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.slow", {"seconds": 60, "ledger": True}).id  # max_attempts 5: retries were possible
+    with running_worker(dsn, heartbeat_interval=0.2) as w:
+        wait_for(lambda: state(dsn, j) == "running", 10, what="the job to start")
+        assert ops.kill(conn, [j], actor=ME).changed == [j]
+        wait_for(lambda: state(dsn, j) == "cancelled", 10, what="the worker to stop the job")
+        assert w._in_flight == {} or wait_for(lambda: not w._in_flight, 5)
+    row = job(dsn, j)
+    assert_settled(row, "cancelled", 1)
+    assert [(e["kind"], e["worker"]) for e in row["errors"]] == [("cancelled", w.id)]
+    assert ledger(dsn) == []
+    assert metric(dsn, "cancelled") == 1 and metric(dsn, "retried") == 0
+
+
+def test_a_kill_during_a_graceful_shutdown_is_still_seen(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.slow", {"seconds": 60}).id
+    wt = WorkerThread(dsn, burst=False, heartbeat_interval=0.2, shutdown_grace=60).start()
+    try:
+        wait_for(lambda: state(dsn, j) == "running", 10, what="the job to start")
+        wt.worker.stop()  # graceful: the job may finish within 60 s
+        ops.kill(conn, [j], actor=ME)
+        wait_for(lambda: state(dsn, j) == "cancelled", 10, what="the kill to be seen during the grace period")
+    finally:
+        assert wt.join(30) == 0
+
+
+def test_requeue_of_a_dead_letter_gives_a_fresh_budget_and_keeps_history(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.flaky", {"fail_times": 2, "ledger": True}, max_attempts=2).id
+    run_burst(dsn)
+    assert_settled(job(dsn, j), "dead_lettered", 2)
+    result = ops.requeue(conn, [j], actor=ME, reason="upstream fixed")
+    assert result.changed == [j]
+    row = job(dsn, j)
+    assert (row["state"], row["max_attempts"], row["finished_at"]) == ("queued", 3, None)
+    run_burst(dsn)
+    row = job(dsn, j)
+    assert_settled(row, "succeeded", 3)
+    assert [(e["kind"], e["attempt"]) for e in row["errors"]] == [("transient", 1), ("transient", 2)]
+    assert [r["attempt"] for r in ledger(dsn)] == [3]
+    # only final failures can be requeued
+    assert ops.requeue(conn, [j], actor=ME).changed == []
+
+
+def test_pause_and_resume(conn: db.Conn, dsn: str) -> None:
+    ops.pause(conn, "default", actor=ME)
+    held = enqueue(conn, "t.ok", {}).id
+    other = enqueue(conn, "t.ok", {}, queue="elsewhere").id
+    run_burst(dsn)  # a paused queue is not work to wait for
+    assert state(dsn, held) == "queued" and state(dsn, other) == "succeeded"
+    ops.resume(conn, "default", actor=ME)
+    run_burst(dsn)
+    assert state(dsn, held) == "succeeded"
+
+
+# --------------------------------------------------------------------------- processes
+
+WORKER_PROCESS = """
+import sys
+from worker_core.worker import Worker, WorkerConfig
+cfg = WorkerConfig(dsn=sys.argv[1], task_modules=("tests.worker_core.tasks",), concurrency=1, poll_interval=0.1,
+                   heartbeat_interval=0.3, shutdown_grace=float(sys.argv[2]), cancel_grace=1.0)
+sys.exit(Worker(cfg).run())
+"""
+
+
+def test_sigterm_lets_the_running_job_finish_within_grace_and_exits_0(
+    conn: db.Conn, dsn: str, tmp_path: Path
+) -> None:
+    slow = enqueue(conn, "t.slow", {"seconds": 3, "ledger": True, "item": "finished"}).id
+    proc = spawn_python(WORKER_PROCESS, dsn, "60", log=tmp_path / "worker.log")
+    try:
+        wait_for(lambda: state(dsn, slow) == "running", 20, what="the worker process to start the job")
+        waiting = enqueue(conn, "t.ok", {}).id  # no free slot until the slow job is done
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert_settled(job(dsn, slow), "succeeded", 1)
+    assert [r["item"] for r in ledger(dsn)] == ["finished"]
+    assert state(dsn, waiting) == "queued"  # a stopping worker claims nothing more
+    assert scalar(dsn, "SELECT stopped_at IS NOT NULL FROM workers") is True
+
+
+def test_sigterm_with_a_short_grace_releases_the_job_with_its_attempt(
+    conn: db.Conn, dsn: str, tmp_path: Path
+) -> None:
+    slow = enqueue(conn, "t.slow", {"seconds": 60, "ledger": True}).id
+    proc = spawn_python(WORKER_PROCESS, dsn, "0.2", log=tmp_path / "worker.log")
+    try:
+        wait_for(lambda: state(dsn, slow) == "running", 20, what="the worker process to start the job")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    row = job(dsn, slow)
+    assert (row["state"], row["attempts"], row["locked_by"], row["errors"]) == ("queued", 0, None, [])
+    assert ledger(dsn) == []
+    again = Worker(config(dsn))  # claimable again, with its attempt given back
+    try:
+        assert [(r["id"], r["attempts"]) for r in again.claim(1)] == [(slow, 1)]
+    finally:
+        if again._claim_conn is not None:
+            again._claim_conn.close()
+
+
+@pytest.mark.slow
+def test_processes_a_payload_that_kills_its_process_is_dead_lettered_while_others_flow(
+    conn: db.Conn, dsn: str
+) -> None:
+    crash = enqueue(conn, "t.crash", {}).id  # max_attempts 2
+    oks = [enqueue(conn, "t.ok", {"ledger": True, "item": str(i)}).id for i in range(12)]
+    sup = Supervisor(config(dsn, concurrency=2, task_modules=TASKS), processes=2)
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(sup.run()), daemon=True)
+    t.start()
+    t.join(90)
+    if t.is_alive():
+        sup.stop()
+        t.join(30)
+        pytest.fail("the supervised burst did not finish")
+    assert result == [0]
+    row = job(dsn, crash)
+    assert row["state"] == "dead_lettered" and row["finished_at"] is not None
+    assert kinds(dsn, crash) == ["lease_expired", "lease_expired"]
+    assert sup.restarts == 2  # one per run of the poison pill, none after
+    for j in oks:
+        assert state(dsn, j) == "succeeded"
+    assert sorted(r["item"] for r in ledger(dsn)) == sorted(str(i) for i in range(12))  # each effect once
+    live = "SELECT count(*) FROM job_queue WHERE state IN ('queued', 'running', 'retry_scheduled')"
+    assert scalar(dsn, live) == 0
