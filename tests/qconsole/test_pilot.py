@@ -1,0 +1,364 @@
+"""Every console action, driven by keys through Pilot, against a real PostgreSQL.
+
+Plain ``def`` tests that run their scenario on a fresh event loop (no async test plugin), and leave a
+new current loop behind so that later ``snap_compare`` calls still find one (Textual#5788).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+from psycopg.conninfo import make_conninfo
+from textual.pilot import Pilot
+
+import tests.worker_core.tasks  # noqa: F401  (registers the test types, so enqueue applies their defaults)
+from qconsole.app import QConsoleApp, make_app
+from qconsole.backend import DatabaseBackend
+from qconsole.embedded_workers import EmbeddedWorkers
+from qconsole.screens.confirm import ConfirmScreen
+from qconsole.screens.dead_letters import DeadLettersScreen
+from qconsole.screens.overview import OverviewScreen
+from qconsole.screens.start_worker import StartWorkerScreen
+from qconsole.screens.workers import WorkersScreen
+from qconsole.widgets.chrome import OutageBanner
+from worker_core import RetryPolicy, db, ops, stats
+from worker_core.errors import ReadOnlyError
+from worker_core.models import JobState
+from worker_core.worker import Worker, WorkerConfig
+
+TASKS = "tests.worker_core.tasks"
+REPO = Path(__file__).resolve().parents[2]
+SIZE = (80, 24)
+
+
+def run_async(coro: Coroutine[Any, Any, None]) -> None:
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(coro)
+    finally:
+        loop.close()
+        asyncio.set_event_loop(asyncio.new_event_loop())
+
+
+async def settle(pilot: Pilot[Any]) -> None:
+    for _ in range(2):
+        await pilot.app.workers.wait_for_complete()
+        await pilot.pause()
+
+
+async def until(pilot: Pilot[Any], condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        await pilot.pause(0.1)
+
+
+def console(dsn: str, **kwargs: Any) -> QConsoleApp:
+    kwargs.setdefault("refresh_seconds", None)
+    kwargs.setdefault("cursor_blink", False)
+    backend = kwargs.pop("backend", None) or DatabaseBackend(dsn, read_only=kwargs.pop("read_only", False))
+    return make_app(backend, **kwargs)
+
+
+def run_worker_until(dsn: str, done: Callable[[], bool], timeout: float = 30.0) -> None:
+    """An in-process worker on the test tasks (in a thread, so it installs no signal handlers)."""
+    w = Worker(WorkerConfig(dsn=dsn, task_modules=(TASKS,), concurrency=4, poll_interval=0.05, heartbeat_interval=0.2))
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not done():
+            assert time.monotonic() < deadline, "the worker did not get there in time"
+            time.sleep(0.05)
+    finally:
+        w.stop()
+        t.join(30)
+    assert not t.is_alive()
+
+
+def states(conn: db.Conn, ids: list[uuid.UUID]) -> list[JobState]:
+    return [stats.get_job(conn, i).state for i in ids]
+
+
+def notes(app: QConsoleApp) -> str:
+    return "\n".join(n.message for n in app._notifications)
+
+
+# ------------------------------------------------------------------------------------------------ actions
+
+
+def test_requeue_a_dead_letter_group_with_keys(dsn: str, conn: db.Conn, make_job: Callable[..., uuid.UUID]) -> None:
+    dead = [make_job("t.unknown", {"key": f"customer_{i}"}) for i in range(3)]
+    failed = make_job("t.permanent", {"invoice": "inv_9"})
+    run_worker_until(dsn, lambda: states(conn, [*dead, failed]).count(JobState.QUEUED) == 0 and all(
+        s in (JobState.DEAD_LETTERED, JobState.FAILED) for s in states(conn, [*dead, failed])))  # fmt: skip
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("d")
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, DeadLettersScreen)
+            group = screen.current()
+            assert group is not None and group.job_type == "t.unknown" and group.count == 3
+            await pilot.press("r")
+            await settle(pilot)
+            assert isinstance(app.screen, ConfirmScreen)
+            assert "Requeue 3 job(s) in 1 group(s)" in app.screen.question
+            await pilot.press("y")
+            await settle(pilot)
+            assert "Requeued 3 job(s)" in notes(app)
+
+    run_async(scenario())
+    assert states(conn, dead) == [JobState.QUEUED] * 3
+    assert stats.get_job(conn, failed).state == JobState.FAILED
+    entry = stats.audit_log(conn)[0]
+    assert entry.action == "requeue" and set(entry.job_ids) == set(dead)
+    assert entry.os_user == ops.Actor.current().os_user
+
+
+def test_cancelling_the_confirmation_changes_nothing(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    dead = [make_job("t.unknown", {"key": "k"}) for _ in range(2)]
+    run_worker_until(dsn, lambda: states(conn, dead) == [JobState.DEAD_LETTERED] * 2)
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("d", "r")
+            await settle(pilot)
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("n")
+            await settle(pilot)
+            assert not isinstance(app.screen, ConfirmScreen)
+
+    run_async(scenario())
+    assert states(conn, dead) == [JobState.DEAD_LETTERED] * 2
+    assert stats.audit_log(conn) == []
+
+
+def test_kill_a_group_of_retrying_jobs(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    slow_retry = RetryPolicy(backoff="fixed", base_seconds=600, max_delay_seconds=600, jitter=0)
+    retrying = [make_job("t.flaky", {"fail_times": 99}, retry_policy=slow_retry) for _ in range(2)]
+    run_worker_until(dsn, lambda: states(conn, retrying) == [JobState.RETRY_SCHEDULED] * 2)
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("d")
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, DeadLettersScreen)
+            group = screen.current()
+            assert group is not None and group.state == "retry_scheduled" and group.count == 2
+            await pilot.press("space")  # mark it: K acts on the marked groups
+            await pilot.press("K")
+            await settle(pilot)
+            assert isinstance(app.screen, ConfirmScreen)
+            assert "Kill 2 job(s)" in app.screen.question
+            await pilot.press("y")
+            await settle(pilot)
+            assert "Killed 2 job(s)" in notes(app)
+
+    run_async(scenario())
+    assert states(conn, retrying) == [JobState.CANCELLED] * 2
+    assert stats.audit_log(conn)[0].action == "kill"
+
+
+def test_pause_and_resume_a_queue(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    make_job("t.ok", {}, queue="mail")
+    app = console(dsn)
+
+    def paused() -> bool:
+        return any(q.paused for q in stats.overview(conn).queues if q.name == "mail")
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            assert isinstance(app.screen, OverviewScreen)
+            await pilot.press("p")
+            await settle(pilot)
+            assert isinstance(app.screen, ConfirmScreen) and "Pause queue 'mail'" in app.screen.question
+            await pilot.press("y")
+            await settle(pilot)
+            assert paused()
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            row = screen.selected()
+            assert row is not None and row.paused
+            await pilot.press("p")
+            await settle(pilot)
+            assert isinstance(app.screen, ConfirmScreen) and "Resume queue 'mail'" in app.screen.question
+            await pilot.press("y")
+            await settle(pilot)
+            assert not paused()
+
+    run_async(scenario())
+    assert [e.action for e in stats.audit_log(conn)] == ["resume", "pause"]
+
+
+def test_read_only_refuses_every_action(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    dead = [make_job("t.unknown", {"key": "k"})]
+    make_job("t.ok", {}, queue="mail")
+    run_worker_until(dsn, lambda: states(conn, dead) == [JobState.DEAD_LETTERED])
+    backend = DatabaseBackend(dsn, read_only=True)
+    app = console(dsn, backend=backend, launcher=EmbeddedWorkers(dsn))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            for keys in (("o", "p"), ("d", "r"), ("d", "K"), ("w", "s")):
+                await pilot.press(*keys)
+                await settle(pilot)
+                assert not isinstance(app.screen, (ConfirmScreen, StartWorkerScreen)), keys
+            assert notes(app).count("Read-only mode") == 4
+
+    run_async(scenario())
+    assert states(conn, dead) == [JobState.DEAD_LETTERED]
+    assert stats.audit_log(conn) == []
+    # and the server side refuses too: the console's transactions are read-only
+    with pytest.raises(ReadOnlyError):
+        backend._call(lambda c: ops.requeue(c, dead))
+    backend.close()
+
+
+# ------------------------------------------------------------------------------------------------ outage
+
+
+def test_outage_banner_then_recovery(dsn: str, conn: db.Conn) -> None:
+    backend = DatabaseBackend(dsn)
+    app = console(dsn, backend=backend, refresh_seconds=0.2)
+    unreachable = make_conninfo(dsn, host="127.0.0.1", port=1)
+
+    def banner_shown() -> bool:
+        return app.screen.query_one(OutageBanner).has_class("-shown")
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.last_ok is not None, what="a first read")
+            assert not banner_shown()
+            # the server ends the console's session: the next read fails, the one after reconnects
+            killed = conn.execute(
+                "SELECT pg_terminate_backend(pid) AS ok FROM pg_stat_activity"
+                " WHERE application_name = 'qconsole-console' AND datname = current_database()"
+            ).fetchall()
+            assert killed and all(r["ok"] for r in killed)
+            await until(pilot, lambda: app.db_error is not None, what="the banner")
+            assert banner_shown()
+            await until(pilot, lambda: app.db_error is None, what="recovery after a terminated session")
+            assert not banner_shown()
+            # now the server is unreachable for a while: the banner stays, with the age of the data
+            last_good = app.last_ok
+            backend.switch_dsn(unreachable)
+            await until(pilot, lambda: app.db_error is not None, what="the banner")
+            banner = app.screen.query_one(OutageBanner)
+            assert "DATABASE UNREACHABLE" in str(banner.render())
+            await pilot.press("j")  # keys still work during the outage
+            await pilot.pause(2.5)
+            assert app.last_ok == last_good and app.db_error is not None
+            assert app.screen.query_one(OutageBanner).has_class("-shown")
+            backend.switch_dsn(dsn)
+            await until(pilot, lambda: app.db_error is None, timeout=15, what="recovery")
+            assert not app.screen.query_one(OutageBanner).has_class("-shown")
+
+    run_async(scenario())
+    backend.close()
+
+
+def test_reads_never_overlap(dsn: str) -> None:
+    """A slow database must not stack reads: the next one starts only when the last one finished."""
+    backend = DatabaseBackend(dsn)
+    active = 0
+    most = 0
+    lock = threading.Lock()
+    real = backend.overview
+
+    def slow_overview() -> Any:
+        nonlocal active, most
+        with lock:
+            active += 1
+            most = max(most, active)
+        try:
+            time.sleep(0.3)
+            return real()
+        finally:
+            with lock:
+                active -= 1
+
+    backend.overview = slow_overview  # type: ignore[method-assign]
+    app = console(dsn, backend=backend, refresh_seconds=0.05)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            for _ in range(5):
+                await pilot.press("ctrl+r")
+                await pilot.pause(0.2)
+            await pilot.pause(1.0)
+
+    run_async(scenario())
+    assert most == 1
+    backend.close()
+
+
+# ------------------------------------------------------------------------------------------------ embedded workers
+
+
+def test_start_and_stop_an_embedded_worker_that_crashes_and_restarts(
+    dsn: str, conn: db.Conn, make_job: Any, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    launcher = EmbeddedWorkers(dsn, log_dir=tmp_path, shutdown_grace=1.0, env=env)
+    app = console(dsn, launcher=launcher, default_tasks=(TASKS,), default_concurrency=2)
+    job = make_job("t.ok", {})
+
+    def registered() -> bool:
+        pids = {w.pid for w in stats.workers(conn) if w.stopped_at is None}
+        return any(e.pid in pids for e in launcher.workers())
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("w")
+            await settle(pilot)
+            await pilot.press("s")
+            await settle(pilot)
+            assert isinstance(app.screen, StartWorkerScreen)
+            await pilot.press("enter")  # the form comes filled in with the default task modules
+            await settle(pilot)
+            assert isinstance(app.screen, WorkersScreen)
+            [w] = launcher.workers()
+            assert w.tasks == (TASKS,) and w.concurrency == 2 and w.running
+            await until(pilot, registered, what="the embedded worker's heartbeat")
+            await until(pilot, lambda: stats.get_job(conn, job).state == JobState.SUCCEEDED, what="the job to run")
+            # a handler that kills its process: the crash is shown, the worker restarts, the UI keeps going
+            make_job("t.crash", {})
+            await until(pilot, lambda: w.crashes >= 1, what="the crash")
+            await until(pilot, lambda: "crashed with exit code 13" in notes(app), what="the crash notice")
+            await pilot.press("a", "w")  # still responsive
+            await until(pilot, lambda: w.running and w.restarts >= 1, what="the restart")
+            await until(pilot, registered, what="the restarted worker's heartbeat")
+            app.screen.reload()
+            await settle(pilot)
+            assert app.screen.selected_embedded() is w  # type: ignore[attr-defined]
+            await pilot.press("x")
+            await until(pilot, lambda: not w.running, what="the worker to stop")
+            assert w.exit_code == 0 and w.stopping
+            assert any("worker starting" in line for line in w.output)
+            assert w.log_path is not None and w.log_path.exists()
+
+    run_async(scenario())
+    launcher.stop_all(timeout=5)
+    assert all(not e.running for e in launcher.workers())
