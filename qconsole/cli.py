@@ -420,6 +420,24 @@ def resume(queue: Annotated[str, typer.Argument()], reason: ReasonOpt = None, ds
 
 
 @app.command()
+def policies(
+    tasks: Annotated[str | None, typer.Option("--tasks", help="MODULE[,MODULE] whose @task types to show.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The effective contract of each job type, and where each value comes from (default, queue, type)."""
+    from worker_core import policy
+    from worker_core.registry import import_task_modules, registry
+
+    try:
+        deployment = policy.current()
+        if tasks:
+            import_task_modules(tasks.split(","))
+    except (policy.PolicyError, ImportError) as e:
+        fail(str(e), 2)
+    output.policies(deployment, list(registry), as_json)
+
+
+@app.command()
 def limit(
     job_type: Annotated[str, typer.Argument()],
     max_running: Annotated[int | None, typer.Argument(help="At most this many run at once (0 holds them).")] = None,

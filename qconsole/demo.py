@@ -37,7 +37,13 @@ def upstream_down(now: float | None = None) -> bool:
 
 
 @worker_core.task(
-    "invoice.generate", queue="billing", requires_idempotency_key=True, max_attempts=4, timeout=10, retry=QUICK
+    "invoice.generate",
+    queue="billing",
+    requires_idempotency_key=True,
+    max_attempts=4,
+    timeout=10,
+    retry=QUICK,
+    reason="demo: fail fast so dead letters show within a minute",
 )
 def generate_invoice(ctx: JobContext, payload: dict[str, Any]) -> None:
     time.sleep(random.uniform(0.05, 0.3))
@@ -55,7 +61,15 @@ def generate_invoice(ctx: JobContext, payload: dict[str, Any]) -> None:
     )
 
 
-@worker_core.task("email.send", queue="mail", requires_idempotency_key=True, max_attempts=4, timeout=5, retry=QUICK)
+@worker_core.task(
+    "email.send",
+    queue="mail",
+    requires_idempotency_key=True,
+    max_attempts=4,
+    timeout=5,
+    retry=QUICK,
+    reason="demo: the fake upstream is flaky by design; short retries keep the charts moving",
+)
 def send_email(ctx: JobContext, payload: dict[str, Any]) -> None:
     to = str(payload.get("to", ""))
     time.sleep(random.uniform(0.05, 0.4))
@@ -69,7 +83,15 @@ def send_email(ctx: JobContext, payload: dict[str, Any]) -> None:
         raise ConnectionResetError(f"connection reset by peer 10.0.0.{random.randint(2, 250)}")
 
 
-@worker_core.task("report.build", queue="reports", max_attempts=3, timeout=60, visibility_timeout=75, retry=QUICK)
+@worker_core.task(
+    "report.build",
+    queue="reports",
+    max_attempts=3,
+    timeout=60,
+    visibility_timeout=75,
+    retry=QUICK,
+    reason="demo: slow reports need a long timeout and heartbeats",
+)
 def build_report(ctx: JobContext, payload: dict[str, Any]) -> None:
     deadline = time.monotonic() + float(payload.get("seconds", 20))
     while time.monotonic() < deadline:
@@ -77,7 +99,15 @@ def build_report(ctx: JobContext, payload: dict[str, Any]) -> None:
             return
 
 
-@worker_core.task("image.resize", queue="media", max_attempts=2, timeout=4, visibility_timeout=10, retry=QUICK)
+@worker_core.task(
+    "image.resize",
+    queue="media",
+    max_attempts=2,
+    timeout=4,
+    visibility_timeout=10,
+    retry=QUICK,
+    reason="demo: a poison payload should reach dead letters after two crashes",
+)
 def resize_image(ctx: JobContext, payload: dict[str, Any]) -> None:
     if payload.get("poison"):
         os._exit(13)  # a decoder bug that takes the whole process down

@@ -169,3 +169,43 @@ def action(result: ActionResult, queue: str | None = None) -> None:
     console.print(f"{result.action}: {result.count} of {result.requested} job(s) changed (audit #{result.audit_id})")
     for jid in result.skipped:
         console.print(f"  skipped {jid}: not in a state that allows {result.action}")
+
+
+def policies(deployment: Any, tasks: list[Any], as_json: bool) -> None:
+    """``deployment`` is a worker_core.policy.DeploymentPolicy, ``tasks`` registry Tasks."""
+    if as_json:
+        _json(
+            {
+                "source": deployment.source,
+                "defaults": deployment.defaults.values,
+                "queues": {
+                    q: {"values": layer.values, "reason": layer.reason} for q, layer in deployment.queues.items()
+                },
+                "types": [
+                    {
+                        "job_type": t.job_type,
+                        "queue": t.queue,
+                        "reason": t.reason,
+                        "fields": {k: {"value": v, "source": s} for k, (v, s) in t.effective().items()},
+                    }
+                    for t in tasks
+                ],
+            }
+        )
+        return
+    console.print(f"policy: {deployment.source}")
+    for q, layer in deployment.queues.items():
+        console.print(f"  queue {q}: {layer.values} ({layer.reason})")
+    t = Table("type", "queue", "attempts", "timeout", "visibility", "backoff", "base", "max delay", "jitter",
+              "reason", box=None, pad_edge=False)  # fmt: skip
+    for task in tasks:
+        eff = task.effective()
+
+        def cell(name: str, eff: dict[str, tuple[Any, str]] = eff) -> str:
+            value, source = eff[name]
+            return f"{value:g} ({source})" if isinstance(value, float) else f"{value} ({source})"
+
+        t.add_row(task.job_type, task.queue, cell("max_attempts"), cell("timeout_seconds"),
+                  cell("visibility_timeout_seconds"), cell("backoff"), cell("base_seconds"),
+                  cell("max_delay_seconds"), cell("jitter"), task.reason or "-")  # fmt: skip
+    console.print(t)

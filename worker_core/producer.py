@@ -11,9 +11,10 @@ from typing import Any
 
 from psycopg.pq import TransactionStatus
 
+from worker_core import policy
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
-from worker_core.envelope import Envelope, build_envelope
+from worker_core.envelope import DEFAULT_QUEUE, Envelope, build_envelope
 from worker_core.models import EnqueueResult
 from worker_core.registry import Registry
 from worker_core.registry import registry as default_registry
@@ -21,9 +22,15 @@ from worker_core.sql import queries
 
 
 def prepare(job_type: Any, payload: Any, envelope: Mapping[str, Any], registry: Registry | None = None) -> Envelope:
-    """Validate one message with the local registry's defaults for its type."""
+    """Validate one message with the defaults of its type: the local registry's @task if the producer
+    imported it, else the deployment's policy for the queue (worker_core.policy)."""
     task = (registry or default_registry).get(job_type) if isinstance(job_type, str) else None
-    return build_envelope(job_type, payload, envelope, task.defaults() if task else None)
+    if task is not None:
+        defaults = task.defaults()
+    else:
+        queue = envelope.get("queue", DEFAULT_QUEUE)
+        defaults = policy.current().type_defaults(queue if isinstance(queue, str) else DEFAULT_QUEUE)
+    return build_envelope(job_type, payload, envelope, defaults)
 
 
 def _in_callers_transaction(conn: Conn) -> contextlib.AbstractContextManager[Any]:

@@ -9,14 +9,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from worker_core.envelope import (
-    DEFAULT_MAX_ATTEMPTS,
-    DEFAULT_QUEUE,
-    DEFAULT_TIMEOUT_SECONDS,
-    JOB_TYPE_RE,
-    TypeDefaults,
-)
-from worker_core.retry import DEFAULT_RETRY_POLICY, RetryPolicy
+from worker_core import policy
+from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, TypeDefaults
+from worker_core.retry import RetryPolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,28 +21,45 @@ class Task:
     job_type: str
     fn: Callable[..., Any]
     queue: str = DEFAULT_QUEUE
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS
-    timeout: float = DEFAULT_TIMEOUT_SECONDS
+    # overrides of the deployment's policy (None: inherit); any of them needs a reason
+    max_attempts: int | None = None
+    timeout: float | None = None
     visibility_timeout: float | None = None
-    retry: RetryPolicy = DEFAULT_RETRY_POLICY
+    retry: RetryPolicy | None = None
     #: the type has side effects: producers must give an idempotency_key
     requires_idempotency_key: bool = False
     #: at most this many jobs of the type run at once across every worker (None: no limit)
     concurrency: int | None = None
+    #: why this type differs from the deployment's defaults
+    reason: str | None = None
 
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.fn)
 
+    def overrides(self) -> dict[str, Any]:
+        """The policy fields this type sets itself."""
+        out: dict[str, Any] = {}
+        if self.max_attempts is not None:
+            out["max_attempts"] = self.max_attempts
+        if self.timeout is not None:
+            out["timeout_seconds"] = float(self.timeout)
+        if self.visibility_timeout is not None:
+            out["visibility_timeout_seconds"] = float(self.visibility_timeout)
+        if self.retry is not None:
+            out.update(self.retry.to_json())
+        return out
+
+    def layer(self) -> policy.Layer | None:
+        found = self.overrides()
+        return policy.Layer(f"type:{self.job_type}", found, self.reason) if found else None
+
+    def effective(self) -> dict[str, tuple[Any, str]]:
+        """The contract this type runs under: ``{field: (value, source)}``, source default/queue:*/type:*."""
+        return policy.current().effective(self.queue, self.layer())
+
     def defaults(self) -> TypeDefaults:
-        return TypeDefaults(
-            queue=self.queue,
-            max_attempts=self.max_attempts,
-            timeout_seconds=self.timeout,
-            visibility_timeout_seconds=self.visibility_timeout,
-            retry_policy=self.retry,
-            requires_idempotency_key=self.requires_idempotency_key,
-        )
+        return policy.current().type_defaults(self.queue, self.layer(), self.requires_idempotency_key)
 
 
 class Registry:
@@ -57,6 +69,11 @@ class Registry:
     def register(self, task: Task) -> Task:
         if not JOB_TYPE_RE.match(task.job_type):
             raise ValueError(f"job type {task.job_type!r} must match [a-z0-9_.-]+")
+        if task.overrides() and not (task.reason or "").strip():
+            raise policy.PolicyError(
+                f"@task({task.job_type!r}) overrides {', '.join(sorted(task.overrides()))} of the deployment's "
+                "policy without a reason: add reason='why this type differs'"
+            )
         if task.concurrency is not None and task.concurrency < 1:
             raise ValueError(f"job type {task.job_type!r}: concurrency must be >= 1")
         existing = self._tasks.get(task.job_type)
@@ -97,14 +114,18 @@ def task(
     job_type: str,
     *,
     queue: str = DEFAULT_QUEUE,
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    max_attempts: int | None = None,
+    timeout: float | None = None,
     visibility_timeout: float | None = None,
     retry: RetryPolicy | None = None,
     requires_idempotency_key: bool = False,
     concurrency: int | None = None,
+    reason: str | None = None,
 ) -> Callable[[F], F]:
-    """Register a handler ``fn(ctx, payload)`` for a job type."""
+    """Register a handler ``fn(ctx, payload)`` for a job type.
+
+    ``max_attempts``, ``timeout``, ``visibility_timeout`` and ``retry`` override the deployment's policy
+    (worker_core.policy) for this type, and need a ``reason``."""
 
     def decorate(fn: F) -> F:
         registry.register(
@@ -115,9 +136,10 @@ def task(
                 max_attempts=max_attempts,
                 timeout=timeout,
                 visibility_timeout=visibility_timeout,
-                retry=retry or DEFAULT_RETRY_POLICY,
+                retry=retry,
                 requires_idempotency_key=requires_idempotency_key,
                 concurrency=concurrency,
+                reason=reason,
             )
         )
         return fn

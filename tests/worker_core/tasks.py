@@ -20,13 +20,15 @@ def _ledger(ctx: JobContext, payload: dict[str, Any]) -> None:
     )
 
 
-@worker_core.task("t.ok", retry=FAST)
+@worker_core.task("t.ok", retry=FAST, reason="tests need fast, bounded retries")
 def ok(ctx: JobContext, payload: dict[str, Any]) -> None:
     if payload.get("ledger"):
         _ledger(ctx, payload)
 
 
-@worker_core.task("t.ledger", retry=FAST, timeout=20, requires_idempotency_key=True)
+@worker_core.task(
+    "t.ledger", retry=FAST, timeout=20, requires_idempotency_key=True, reason="tests need fast, bounded retries"
+)
 def ledger(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Writes its effect through ctx.tx, then fails afterwards on the first attempts if asked."""
     _ledger(ctx, payload)
@@ -36,7 +38,7 @@ def ledger(ctx: JobContext, payload: dict[str, Any]) -> None:
         raise TransientError("failed after writing")
 
 
-@worker_core.task("t.flaky", retry=FAST, max_attempts=5)
+@worker_core.task("t.flaky", retry=FAST, max_attempts=5, reason="tests need fast, bounded retries")
 def flaky(ctx: JobContext, payload: dict[str, Any]) -> None:
     if ctx.attempt <= payload.get("fail_times", 1):
         raise TransientError(f"upstream 503 on attempt {ctx.attempt}")
@@ -44,17 +46,17 @@ def flaky(ctx: JobContext, payload: dict[str, Any]) -> None:
         _ledger(ctx, payload)
 
 
-@worker_core.task("t.permanent", retry=FAST)
+@worker_core.task("t.permanent", retry=FAST, reason="tests need fast, bounded retries")
 def permanent(ctx: JobContext, payload: dict[str, Any]) -> None:
     raise PermanentError(f"invoice {payload.get('invoice', 'inv_1')} does not exist")
 
 
-@worker_core.task("t.unknown", retry=FAST, max_attempts=2)
+@worker_core.task("t.unknown", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
 def unknown(ctx: JobContext, payload: dict[str, Any]) -> None:
     raise KeyError(payload.get("key", "customer_id"))
 
 
-@worker_core.task("t.base_exc", retry=FAST, max_attempts=1)
+@worker_core.task("t.base_exc", retry=FAST, max_attempts=1, reason="tests need fast, bounded retries")
 def base_exc(ctx: JobContext, payload: dict[str, Any]) -> None:
     kind = payload.get("kind", "exit")
     if kind == "exit":
@@ -71,12 +73,14 @@ def base_exc(ctx: JobContext, payload: dict[str, Any]) -> None:
         f(0)
 
 
-@worker_core.task("t.crash", retry=FAST, max_attempts=2, timeout=2, visibility_timeout=8)
+@worker_core.task(
+    "t.crash", retry=FAST, max_attempts=2, timeout=2, visibility_timeout=8, reason="tests need fast, bounded retries"
+)
 def crash(ctx: JobContext, payload: dict[str, Any]) -> None:
     os._exit(13)
 
 
-@worker_core.task("t.slow", retry=FAST, timeout=30)
+@worker_core.task("t.slow", retry=FAST, timeout=30, reason="tests need fast, bounded retries")
 def slow(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Sleeps cooperatively: returns early when cancelled (killed, timed out, shutdown)."""
     deadline = time.monotonic() + payload.get("seconds", 5)
@@ -87,14 +91,21 @@ def slow(ctx: JobContext, payload: dict[str, Any]) -> None:
         _ledger(ctx, payload)
 
 
-@worker_core.task("t.stubborn", retry=FAST, timeout=1, visibility_timeout=10, max_attempts=1)
+@worker_core.task(
+    "t.stubborn",
+    retry=FAST,
+    timeout=1,
+    visibility_timeout=10,
+    max_attempts=1,
+    reason="tests need fast, bounded retries",
+)
 def stubborn(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Ignores cancellation; tries to write after its timeout: the write must never commit."""
     time.sleep(payload.get("seconds", 2.5))
     _ledger(ctx, payload)
 
 
-@worker_core.task("t.async_ok", retry=FAST)
+@worker_core.task("t.async_ok", retry=FAST, reason="tests need fast, bounded retries")
 async def async_ok(ctx: JobContext, payload: dict[str, Any]) -> None:
     await asyncio.sleep(0.01)
     await ctx.tx.execute(
@@ -105,12 +116,19 @@ async def async_ok(ctx: JobContext, payload: dict[str, Any]) -> None:
         raise TransientError("async failure after write")
 
 
-@worker_core.task("t.async_slow", retry=FAST, timeout=1, visibility_timeout=10, max_attempts=1)
+@worker_core.task(
+    "t.async_slow",
+    retry=FAST,
+    timeout=1,
+    visibility_timeout=10,
+    max_attempts=1,
+    reason="tests need fast, bounded retries",
+)
 async def async_slow(ctx: JobContext, payload: dict[str, Any]) -> None:
     await asyncio.sleep(payload.get("seconds", 5))
 
 
-@worker_core.task("t.locked", retry=FAST, timeout=10)
+@worker_core.task("t.locked", retry=FAST, timeout=10, reason="tests need fast, bounded retries")
 def locked(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Records when it ran, to check that two jobs with one lock_key never overlap."""
     start = time.time()

@@ -20,7 +20,7 @@ def _refill(dsn: str) -> dict[str, Any]:
     return {"eur_usd": 1.1}
 
 
-@worker_core.task("t.cached_rate", retry=FAST, max_attempts=20)
+@worker_core.task("t.cached_rate", retry=FAST, max_attempts=20, reason="tests need fast, bounded retries")
 def cached_rate(ctx: JobContext, payload: dict[str, Any]) -> None:
     assert ctx.dsn is not None
     dsn = ctx.dsn
@@ -29,7 +29,7 @@ def cached_rate(ctx: JobContext, payload: dict[str, Any]) -> None:
                    (ctx.job_id, str(value["eur_usd"]), ctx.attempt))  # fmt: skip
 
 
-@worker_core.task("t.deposit", retry=FAST, max_attempts=50)
+@worker_core.task("t.deposit", retry=FAST, max_attempts=50, reason="tests need fast, bounded retries")
 def deposit(ctx: JobContext, payload: dict[str, Any]) -> None:
     row = ctx.tx.execute("SELECT balance, version FROM accounts WHERE id = %s", (payload["account"],)).fetchone()
     time.sleep(payload.get("think", 0.2))  # read-modify-write with a gap another job can fall into
@@ -38,7 +38,7 @@ def deposit(ctx: JobContext, payload: dict[str, Any]) -> None:
     )
 
 
-@worker_core.task("t.limited", retry=FAST, concurrency=2, timeout=20)
+@worker_core.task("t.limited", retry=FAST, concurrency=2, timeout=20, reason="tests need fast, bounded retries")
 def limited(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Records when it ran; the test computes the peak overlap across every process."""
     start = time.time()

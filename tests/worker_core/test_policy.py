@@ -1,0 +1,98 @@
+"""The policy registry: deployment defaults set once, per-queue and per-type overrides that must carry a
+reason, and the effective contract of each type with where each value comes from."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qconsole.cli import app
+from worker_core import db, policy
+from worker_core.policy import PolicyError
+from worker_core.producer import enqueue
+from worker_core.registry import Registry, Task
+from worker_core.retry import RetryPolicy
+
+POLICY = """
+[tool.qconsole.defaults]
+max_attempts = 7
+timeout_seconds = 30
+backoff = "linear"
+
+[tool.qconsole.queues.billing]
+max_attempts = 12
+reason = "the payment provider has long outages"
+"""
+
+
+@pytest.fixture
+def deployment(tmp_path: Path) -> Iterator[policy.DeploymentPolicy]:
+    path = tmp_path / "pyproject.toml"
+    path.write_text(POLICY)
+    loaded = policy.load(path, environ={"QCONSOLE_JITTER": "0"})
+    policy.set_current(loaded)
+    yield loaded
+    policy.set_current(None)
+
+
+def handler(ctx: object, payload: object) -> None: ...
+
+
+def test_an_override_without_a_reason_is_refused_at_registration() -> None:
+    with pytest.raises(PolicyError, match="without a reason"):
+        Registry().register(Task("x.no_reason", handler, max_attempts=9))
+    with pytest.raises(PolicyError, match="without a reason"):
+        Registry().register(Task("x.blank_reason", handler, retry=RetryPolicy(), reason="  "))
+    Registry().register(Task("x.plain", handler))  # inheriting everything needs no reason
+
+
+def test_a_queue_override_without_a_reason_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "qconsole.toml"
+    path.write_text("[queues.mail]\nmax_attempts = 3\n")
+    with pytest.raises(PolicyError, match=r"\[queues.mail\] overrides max_attempts without a reason"):
+        policy.load(path, environ={})
+    path.write_text("[defaults]\nmax_retries = 3\n")
+    with pytest.raises(PolicyError, match="unknown policy fields max_retries"):
+        policy.load(path, environ={})
+    path.write_text("[defaults]\ntimeout_seconds = 100\nvisibility_timeout_seconds = 101\n")
+    with pytest.raises(PolicyError, match="not a valid contract"):
+        policy.load(path, environ={})
+
+
+def test_effective_contract_says_where_each_value_comes_from(deployment: policy.DeploymentPolicy) -> None:
+    plain = Task("x.plain", handler, queue="default")
+    eff = plain.effective()
+    assert eff["max_attempts"] == (7, "default")
+    assert eff["timeout_seconds"] == (30.0, "default")
+    assert eff["visibility_timeout_seconds"] == (60.0, "default")  # timeout + margin
+    assert eff["backoff"] == ("linear", "default") and eff["jitter"] == (0.0, "default")  # from the environment
+
+    billing = Task("invoice.generate", handler, queue="billing", timeout=5, reason="invoices are quick")
+    eff = billing.effective()
+    assert eff["max_attempts"] == (12, "queue:billing")
+    assert eff["timeout_seconds"] == (5.0, "type:invoice.generate")
+    assert eff["backoff"] == ("linear", "default")
+
+
+def test_enqueue_applies_the_effective_policy(deployment: policy.DeploymentPolicy, conn: db.Conn) -> None:
+    jid = enqueue(conn, "unknown.here", {}, queue="billing").id
+    row = conn.execute("SELECT max_attempts, timeout_seconds, retry_policy FROM job_queue WHERE id = %s", (jid,))
+    got = row.fetchone()
+    assert got is not None
+    assert (got["max_attempts"], got["timeout_seconds"], got["retry_policy"]["backoff"]) == (12, 30.0, "linear")
+
+
+def test_qconsole_policies_lists_the_contract_of_each_type(dsn: str) -> None:
+    result = CliRunner().invoke(app, ["policies", "--tasks", "tests.worker_core.tasks", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["job_type"]: r for r in json.loads(result.stdout)["types"]}
+    ledger = rows["t.ledger"]
+    assert ledger["fields"]["timeout_seconds"] == {"value": 20.0, "source": "type:t.ledger"}
+    assert ledger["fields"]["max_attempts"]["source"] == "default"
+    assert ledger["reason"] == "tests need fast, bounded retries"
+    text = CliRunner().invoke(app, ["policies", "--tasks", "tests.worker_core.tasks"]).stdout
+    assert "t.ledger" in text and "type:t.ledger" in text
