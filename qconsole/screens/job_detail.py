@@ -76,7 +76,7 @@ class JobDetailScreen(ConsoleScreen):
         if self.note:
             parts.append(Text(self.note, style="italic"))
 
-        # lease and lock first: during an incident that is what matters for a running job
+        # what matters during an incident comes first: lease and lock, why it failed, what it carried
         lease: Text | str = "-"
         if job.state.value == "running" and job.locked_until is not None:
             left = (fmt.utc(job.locked_until) - now).total_seconds()  # type: ignore[operator]
@@ -94,9 +94,30 @@ class JobDetailScreen(ConsoleScreen):
             )
         elif job.lock_key:
             lock_text = Text(f"{job.lock_key} (not held now)")
-        parts.append(_section("lease and lock"))
-        parts.append(_kv([("lease", lease), ("lock", lock_text)]))
+        if job.state.value == "running" or job.lock_key:
+            parts.append(_section("lease and lock"))
+            parts.append(_kv([("lease", lease), ("lock", lock_text)]))
 
+        parts.append(_section(f"errors ({len(job.errors)} attempt(s) failed)"))
+        if job.errors:
+            table = Table(box=None, padding=(0, 1), show_edge=False, expand=True)
+            table.add_column("#", justify="right", no_wrap=True)
+            table.add_column("kind", no_wrap=True)
+            table.add_column("error", ratio=1, overflow="fold")
+            table.add_column("worker / when", no_wrap=False, max_width=28)
+            for e in job.errors:
+                table.add_row(
+                    str(e.attempt),
+                    e.kind,
+                    Text(f"{e.error_class}: {e.message}"),
+                    Text(f"{e.worker or '-'}\n{fmt.hms(e.at)} UTC"),
+                )
+            parts.append(table)
+        else:
+            parts.append(Text("none"))
+        parts.append(_section("payload"))
+        theme = "ansi_dark" if self.app.current_theme.dark else "ansi_light"
+        parts.append(Syntax(fmt.pretty_json(job.payload), "json", theme=theme, background_color="default"))
         parts.append(_section("envelope"))
         rp = job.retry_policy or {}
         parts.append(
@@ -131,26 +152,6 @@ class JobDetailScreen(ConsoleScreen):
                 ]
             )
         )
-        parts.append(_section(f"errors ({len(job.errors)} attempt(s) failed)"))
-        if job.errors:
-            table = Table(box=None, padding=(0, 1), show_edge=False, expand=True)
-            table.add_column("#", justify="right", no_wrap=True)
-            table.add_column("kind", no_wrap=True)
-            table.add_column("error", ratio=1, overflow="fold")
-            table.add_column("worker / when", no_wrap=False, max_width=28)
-            for e in job.errors:
-                table.add_row(
-                    str(e.attempt),
-                    e.kind,
-                    Text(f"{e.error_class}: {e.message}"),
-                    Text(f"{e.worker or '-'}\n{fmt.hms(e.at)} UTC"),
-                )
-            parts.append(table)
-        else:
-            parts.append(Text("none"))
-        parts.append(_section("payload"))
-        theme = "ansi_dark" if self.app.current_theme.dark else "ansi_light"
-        parts.append(Syntax(fmt.pretty_json(job.payload), "json", theme=theme, background_color="default"))
         return Group(*parts)
 
     # ---------------------------------------------------------------- actions
