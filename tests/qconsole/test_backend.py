@@ -1,0 +1,121 @@
+"""The console's database adapter and the worker_core reads behind its charts, against PostgreSQL."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import tests.worker_core.tasks  # noqa: F401  (registers the test types, so enqueue applies their defaults)
+from qconsole.backend import APPLICATION_NAME, DatabaseBackend
+from qconsole.embedded_workers import EmbeddedWorkers
+from worker_core import db, stats
+from worker_core.clock import FixedClock
+from worker_core.errors import ReadOnlyError
+from worker_core.models import JobState
+from worker_core.worker import Worker, WorkerConfig
+
+T0 = dt.datetime(2025, 3, 14, 9, 30, 20, tzinfo=dt.timezone.utc)
+
+
+def _rollup(conn: db.Conn, minute: dt.datetime, queue: str, job_type: str, **counts: float) -> None:
+    # the rollups as workers flush them (worker_core.metrics)
+    from worker_core.sql import queries
+
+    row = {"minute": minute.isoformat(), "queue": queue, "job_type": job_type}
+    for name in ("started", "succeeded", "failed", "dead_lettered", "retried", "timeouts", "anomalies",
+                 "lock_contention", "dedup_hits", "idempotency_hits", "lease_expirations", "cancelled",
+                 "latency_ms_sum", "duration_ms_sum"):  # fmt: skip
+        row[name] = counts.get(name, 0)
+    conn.execute(queries["metrics_flush"], {"rows": json.dumps([row])})
+
+
+def test_latency_series_averages_per_minute(conn: db.Conn) -> None:
+    now = T0.replace(second=0)
+    _rollup(conn, now - dt.timedelta(minutes=2), "default", "a", started=4, latency_ms_sum=8000)
+    _rollup(conn, now - dt.timedelta(minutes=2), "default", "b", started=1, latency_ms_sum=12000)
+    _rollup(conn, now, "mail", "a", started=2, latency_ms_sum=1000)
+    _rollup(conn, now - dt.timedelta(minutes=90), "default", "a", started=1, latency_ms_sum=99_000)  # too old
+    series = stats.latency_series(conn, FixedClock(T0))
+    assert set(series) == {"default", "mail"}
+    assert len(series["default"]) == stats.SERIES_MINUTES
+    assert series["default"][-3] == pytest.approx(20.0 / 5)  # (8 s + 12 s) / 5 starts
+    assert series["default"][-1] == 0.0
+    assert series["mail"][-1] == pytest.approx(0.5)
+    by_type = stats.latency_series(conn, FixedClock(T0), by="job_type")
+    assert by_type["b"][-3] == pytest.approx(12.0)
+    with pytest.raises(ValueError):
+        stats.latency_series(conn, by="tenant")
+
+
+def test_attempts_distribution_counts_finished_jobs(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    ok = [make_job("t.ok", {}) for _ in range(3)]
+    flaky = [make_job("t.flaky", {"fail_times": 2}) for _ in range(2)]
+    w = Worker(WorkerConfig(dsn=dsn, task_modules=("tests.worker_core.tasks",), burst=True, poll_interval=0.05))
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    t.join(60)
+    assert all(stats.get_job(conn, j).state == JobState.SUCCEEDED for j in ok + flaky)
+    dist = stats.attempts_distribution(conn)
+    assert dist == {"t.ok": {1: 3}, "t.flaky": {3: 2}}
+    assert stats.attempts_distribution(conn, FixedClock(dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2))) == {}
+
+
+def test_backend_session_is_named_bounded_and_reconnects(dsn: str, conn: db.Conn) -> None:
+    backend = DatabaseBackend(dsn)
+    backend.overview()
+    row = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND datname = current_database()",
+        (APPLICATION_NAME,),
+    ).fetchone()
+    assert row is not None
+    timeout = backend._call(lambda c: c.execute("SHOW statement_timeout").fetchone())
+    assert timeout is not None and timeout["statement_timeout"] == "3s"
+    conn.execute("SELECT pg_terminate_backend(%s)", (row["pid"],))
+    with pytest.raises(Exception):  # noqa: B017  (whatever psycopg raises for a terminated session)
+        backend.workers()
+    assert backend.workers() == []  # reconnected by itself
+    backend.close()
+
+
+def test_read_only_backend_refuses_and_reads(dsn: str, make_job: Any) -> None:
+    job = make_job("t.ok", {})
+    backend = DatabaseBackend(dsn, read_only=True)
+    assert backend.get_job(job)[0].id == job
+    with pytest.raises(ReadOnlyError):
+        backend.kill([job])
+    assert backend._call(lambda c: c.execute("SHOW default_transaction_read_only").fetchone()) == {
+        "default_transaction_read_only": "on"
+    }
+    backend.close()
+
+
+def test_embedded_worker_that_cannot_start_is_reported(tmp_path: Any) -> None:
+    launcher = EmbeddedWorkers("postgresql://unused", command=["/nonexistent/python"], log_dir=tmp_path)
+    seen: list[Any] = []
+    launcher.set_on_exit(lambda w, restarting: seen.append((w.number, w.exit_code, restarting)))
+    w = launcher.start(["x.tasks"])
+    assert not w.running and w.exit_code == 127 and seen == [(1, 127, False)]
+    assert "could not start" in w.output[-1]
+
+
+def test_embedded_worker_crash_is_reported_and_restarted(tmp_path: Any) -> None:
+    """A worker command that dies at once: reported from the reader thread, restarted with backoff."""
+    launcher = EmbeddedWorkers(
+        "postgresql://unused", command=["sh", "-c", "echo boom; exit 3", "worker"], log_dir=tmp_path
+    )
+    events: list[tuple[int | None, bool]] = []
+    launcher.set_on_exit(lambda w, restarting: events.append((w.exit_code, restarting)))
+    w = launcher.start(["x.tasks"])
+    deadline = time.monotonic() + 10
+    while w.restarts < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert w.restarts >= 1 and events[0] == (3, True)
+    assert "boom" in list(w.output)
+    launcher.stop_all(timeout=2)
+    assert not w.running
+    assert (tmp_path / w.log_path.name).read_text().count("boom") >= 1  # type: ignore[union-attr]
