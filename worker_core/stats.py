@@ -199,10 +199,13 @@ def list_jobs(
         where.append(sql.SQL("queue = %(queue)s"))
     if search:
         params["search"] = search
-        params["like"] = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        # LIKE metacharacters in the search are literal, in the id prefix as in the error text
+        escaped = search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        params["prefix"] = escaped + "%"
+        params["like"] = "%" + escaped + "%"
         where.append(
             sql.SQL(
-                "(id::text LIKE %(search)s || '%%' OR idempotency_key = %(search)s OR dedup_key = %(search)s"
+                "(id::text LIKE %(prefix)s OR idempotency_key = %(search)s OR dedup_key = %(search)s"
                 " OR lock_key = %(search)s OR last_error ILIKE %(like)s)"
             )
         )

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import tests.worker_core.tasks  # noqa: F401 - producers get the t.* types' defaults (max_attempts, retry policy)
 from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.worker import Worker, WorkerConfig

@@ -1,0 +1,244 @@
+"""The read side (stats) on a known workload, and operator actions (ops): audited, refused read-only."""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.conftest import dsn_for
+from tests.worker_core.conftest import EFFECT_TABLES
+from tests.worker_core.helpers import run_burst
+from worker_core import FixedClock, ReadOnlyError, db, enqueue, ops, stats
+from worker_core.models import JobState
+
+NOW = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+
+
+@pytest.fixture(scope="module")
+def workload(admin_dsn: str, template_db: str) -> Iterator[dict[str, Any]]:
+    """One database with a known history, shared by the tests that only read it:
+    3 t.ok succeeded; 2 t.permanent failed (one with SQL metacharacters in its error); 3 t.unknown and
+    3 t.base_exc dead-lettered; then, not run: 2 waiting in queue 'lagging' (one 120 s late, one due
+    in an hour) and 1 in the paused queue 'held'."""
+    name = f"qc_w_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin_dsn, autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    dsn = dsn_for(admin_dsn, name)
+    ids: dict[str, Any] = {}
+    with db.connect(dsn, autocommit=True) as conn:
+        conn.execute(EFFECT_TABLES)
+        ids["ok"] = [enqueue(conn, "t.ok", {"n": i}, idempotency_key=f"ok-{i}").id for i in range(3)]
+        ids["permanent"] = [
+            enqueue(conn, "t.permanent", {"invoice": "inv_9"}, dedup_key="perm-1", lock_key="order:ord_1").id,
+            enqueue(conn, "t.permanent", {"invoice": "50%_off"}).id,
+        ]
+        ids["unknown"] = [enqueue(conn, "t.unknown", {"key": k}).id for k in ("a", "b", "c")]
+        ids["memory"] = [enqueue(conn, "t.base_exc", {"kind": "memory"}).id for _ in range(2)]
+        ids["exit"] = [enqueue(conn, "t.base_exc", {"kind": "exit"}).id]
+        run_burst(dsn)
+        ids["late"] = enqueue(conn, "t.ok", {}, queue="lagging", clock=FixedClock(NOW - dt.timedelta(seconds=120))).id
+        ids["future"] = enqueue(conn, "t.ok", {}, queue="lagging", delay_seconds=3600, clock=FixedClock(NOW)).id
+        ops.pause(conn, "held", actor=ops.Actor("setup"))
+        ids["held"] = enqueue(conn, "t.ok", {}, queue="held", clock=FixedClock(NOW)).id
+    yield {"dsn": dsn, **ids}
+    with psycopg.connect(admin_dsn, autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def wconn(workload: dict[str, Any]) -> Iterator[db.Conn]:
+    with db.connect(workload["dsn"], autocommit=True) as c:
+        yield c
+
+
+def snapshot(conn: db.Conn) -> dict[str, Any]:
+    return {
+        "jobs": conn.execute("SELECT * FROM job_queue ORDER BY id").fetchall(),
+        "queues": conn.execute("SELECT * FROM queues ORDER BY name").fetchall(),
+        "audit": conn.execute("SELECT count(*) AS n FROM audit_log").fetchone(),
+    }
+
+
+# --------------------------------------------------------------------------- stats.overview
+
+
+def test_overview_counts_lag_and_rates_on_a_known_workload(wconn: db.Conn) -> None:
+    ov = stats.overview(wconn, clock=FixedClock(NOW))
+    by = {(t.queue, t.job_type): t for t in ov.types}
+    ok, perm, unk, exc = by[("default", "t.ok")], by[("default", "t.permanent")], by[("default", "t.unknown")], by[
+        ("default", "t.base_exc")]  # fmt: skip
+    assert (ok.succeeded, ok.waiting, ok.running, ok.failed, ok.dead_lettered) == (3, 0, 0, 0, 0)
+    assert ok.throughput_per_min == pytest.approx(3 / ov.window_minutes)
+    assert (perm.failed, perm.succeeded, perm.retries) == (2, 0, 0)
+    assert (unk.dead_lettered, unk.retries, unk.anomalies) == (3, 3, 6)  # 2 attempts each
+    assert unk.dlq_per_min == pytest.approx(3 / ov.window_minutes)
+    assert exc.dead_lettered == 3
+    lag = by[("lagging", "t.ok")]
+    assert (lag.queued, lag.oldest_waiting_seconds) == (2, 120.0)  # the job due in an hour is not lag
+    held = by[("held", "t.ok")]
+    assert held.paused and held.queued == 1
+    queues = {q.name: q for q in ov.queues}
+    assert queues["held"].paused and queues["held"].changed_by == "setup"
+    assert (queues["lagging"].waiting, queues["lagging"].paused) == (2, False)
+    assert ov.workers_alive == 0  # the burst worker said goodbye
+
+
+def test_overview_lag_follows_the_clock(wconn: db.Conn) -> None:
+    later = stats.overview(wconn, clock=FixedClock(NOW + dt.timedelta(seconds=30)))
+    (lag,) = [t for t in later.types if t.queue == "lagging"]
+    assert lag.oldest_waiting_seconds == 150.0
+
+
+# --------------------------------------------------------------------------- stats.list_jobs
+
+
+def test_list_jobs_filters(wconn: db.Conn, workload: dict[str, Any]) -> None:
+    failed = stats.list_jobs(wconn, state="failed")
+    assert {j.id for j in failed} == set(workload["permanent"])
+    assert all(j.state is JobState.FAILED for j in failed)
+    assert {j.id for j in stats.list_jobs(wconn, job_type="t.unknown")} == set(workload["unknown"])
+    assert {j.id for j in stats.list_jobs(wconn, queue="lagging")} == {workload["late"], workload["future"]}
+    assert {j.id for j in stats.list_jobs(wconn, state=JobState.DEAD_LETTERED, job_type="t.base_exc")} == set(
+        workload["memory"] + workload["exit"]
+    )
+    assert len(stats.list_jobs(wconn, limit=4)) == 4
+    assert stats.list_jobs(wconn, state="queued", job_type="t.permanent") == []
+    with pytest.raises(ValueError):
+        stats.list_jobs(wconn, state="paused")
+
+
+def test_list_jobs_search(wconn: db.Conn, workload: dict[str, Any]) -> None:
+    def found(text: str) -> set[uuid.UUID]:
+        return {j.id for j in stats.list_jobs(wconn, search=text)}
+
+    target = workload["unknown"][1]
+    assert found(str(target)[:13]) == {target}  # an id prefix
+    assert found(str(target)) == {target}
+    assert found("ok-2") == {workload["ok"][2]}  # idempotency key
+    assert found("perm-1") == {workload["permanent"][0]}  # dedup key
+    assert found("order:ord_1") == {workload["permanent"][0]}  # lock key
+    assert found("DOES NOT EXIST") == set(workload["permanent"])  # error text, any case
+    assert found("out of memory") == set(workload["memory"])
+    assert found("no such thing anywhere") == set()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("'; drop table job_queue; --", set()),
+        ("%", "pct"),  # only the job whose error literally contains "%"
+        ("_", "unders"),  # only jobs with a literal underscore somewhere searched
+        ("%_", "pct"),  # only the job whose error literally contains "%_"
+        ("\\", set()),
+        ("50%_off", "pct"),
+    ],
+    ids=["sql-injection", "percent", "underscore", "percent-underscore", "backslash", "literal"],
+)
+def test_list_jobs_search_with_metacharacters_is_harmless(
+    wconn: db.Conn, workload: dict[str, Any], text: str, expected: Any
+) -> None:
+    before = snapshot(wconn)
+    got = {j.id for j in stats.list_jobs(wconn, search=text)}
+    if expected == "pct":
+        expected = {workload["permanent"][1]}
+    elif expected == "unders":
+        expected = set(workload["permanent"])  # "inv_9", "50%_off" in their errors ("order:ord_1" is exact-only)
+    assert got == expected
+    assert snapshot(wconn) == before
+
+
+# --------------------------------------------------------------------------- dead letters
+
+
+def test_dead_letter_groups_group_by_fingerprint(wconn: db.Conn, workload: dict[str, Any]) -> None:
+    groups = stats.dead_letter_groups(wconn)
+    summary = [(g.job_type, g.fingerprint, g.count, set(g.job_ids)) for g in groups]
+    assert summary == [
+        ("t.unknown", "KeyError: '<*>'", 3, set(workload["unknown"])),
+        ("t.base_exc", "MemoryError: out of memory", 2, set(workload["memory"])),
+        ("t.base_exc", "SystemExit: <n>", 1, set(workload["exit"])),
+    ]
+    assert groups[0].sample_error.startswith("KeyError: ")
+    assert groups[0].first_seen <= groups[0].last_seen
+    failed = stats.dead_letter_groups(wconn, states=("failed",))
+    assert [(g.fingerprint, g.count) for g in failed] == [
+        ("PermanentError: invoice <id> does not exist", 1),
+        ("PermanentError: invoice <n>%_off does not exist", 1),
+    ]
+    assert [g.job_type for g in stats.dead_letter_groups(wconn, job_type="t.base_exc")] == ["t.base_exc"] * 2
+    assert set(ops.group_job_ids(wconn, "t.unknown", "KeyError: '<*>'")) == set(workload["unknown"])
+
+
+def test_read_only_connection_reads_but_refuses_every_operator_action(workload: dict[str, Any]) -> None:
+    with db.connect(workload["dsn"], read_only=True) as ro:
+        before = snapshot(ro)
+        ro.rollback()
+        assert stats.overview(ro).types and stats.list_jobs(ro, limit=3)
+        ro.rollback()
+        actions = [
+            lambda: ops.requeue(ro, workload["unknown"], actor=ops.Actor("intruder")),
+            lambda: ops.kill(ro, [workload["late"]], actor=ops.Actor("intruder")),
+            lambda: ops.pause(ro, "lagging", actor=ops.Actor("intruder")),
+            lambda: ops.resume(ro, "held", actor=ops.Actor("intruder")),
+        ]
+        for action in actions:
+            with pytest.raises(ReadOnlyError, match="read-only"):
+                action()
+            ro.rollback()
+    with db.connect(workload["dsn"], autocommit=True) as rw:
+        assert snapshot(rw) == before
+
+
+# --------------------------------------------------------------------------- audit
+
+
+def test_every_operator_action_is_audited_with_who_and_from_where(
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SSH_CLIENT", "10.20.30.40 51234 22")
+    monkeypatch.delenv("SSH_CONNECTION", raising=False)
+    waiting = enqueue(conn, "t.ok", {}).id
+    dead = enqueue(conn, "t.unknown", {}).id
+    run_burst(dsn)
+    waiting2 = enqueue(conn, "t.ok", {}).id
+
+    results = [
+        ops.kill(conn, [waiting2], reason="duplicate order"),
+        ops.requeue(conn, [dead, waiting], reason="fixed upstream", budget=2),
+        ops.pause(conn, "default", reason="incident 42"),
+        ops.resume(conn, "default"),
+    ]
+    entries = {e.id: e for e in stats.audit_log(conn)}
+    assert len(entries) == 4
+    for r in results:
+        e = entries[r.audit_id]
+        assert e.os_user == getpass.getuser() and e.ssh_client == "10.20.30.40"
+        assert e.at is not None
+    kill, requeue, pause, resume = (entries[r.audit_id] for r in results)
+    assert (kill.action, kill.job_ids, kill.reason) == ("kill", [waiting2], "duplicate order")
+    assert kill.detail["cancelled"] == 1
+    # only the dead letter changed (the succeeded job is not requeueable): the audit says so
+    assert (requeue.action, requeue.job_ids, requeue.detail["requested"]) == ("requeue", [dead], 2)
+    assert requeue.detail["budget"] == 2 and results[1].skipped == [waiting]
+    assert (pause.action, pause.queue, pause.reason) == ("pause", "default", "incident 42")
+    assert (resume.action, resume.queue) == ("resume", "default")
+    # newest first
+    assert [e.action for e in stats.audit_log(conn)] == ["resume", "pause", "requeue", "kill"]
+
+
+def test_an_action_and_its_audit_row_commit_together(dsn: str) -> None:
+    with db.connect(dsn, autocommit=True) as c:
+        j = enqueue(c, "t.ok", {}).id
+    with db.connect(dsn) as c:  # the caller's transaction: rolled back, neither the kill nor its audit stays
+        c.execute("SELECT 1")
+        ops.kill(c, [j], actor=ops.Actor("tester"))
+        c.rollback()
+    with db.connect(dsn, autocommit=True) as c:
+        assert stats.get_job(c, j).state is JobState.QUEUED
+        assert stats.audit_log(c) == []
