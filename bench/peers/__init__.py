@@ -1,0 +1,1 @@
+"""Task modules the benchmark's worker processes import: qconsole's, procrastinate's and pgqueuer's."""
