@@ -1,0 +1,118 @@
+"""Observability: both Prometheus endpoints match the database after a known workload, and every log line
+about a job carries its fields (JSON for machines)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import socket
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import tests.worker_core.tasks  # noqa: F401 - registers the types, so producers use their policies
+from tests.worker_core.helpers import run_burst
+from worker_core import db, stats
+from worker_core.logs import setup_logging
+from worker_core.producer import enqueue, enqueue_many
+from worker_core.prometheus import serve_fleet
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def labels(job_type: str, queue: str = "default", **extra: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted({"job_type": job_type, "queue": queue, **extra}.items()))
+
+
+def known_workload(conn: db.Conn) -> None:
+    enqueue_many(conn, [("t.ok", {}) for _ in range(3)])
+    enqueue(conn, "t.flaky", {"fail_times": 1})
+    enqueue(conn, "t.permanent", {})
+    enqueue(conn, "t.unknown", {})  # two attempts, then dead letters
+    enqueue(conn, "t.ledger", {"item": "a"}, idempotency_key="k")
+    enqueue(conn, "t.ledger", {"item": "a"}, idempotency_key="k")
+    enqueue(conn, "t.ok", {}, dedup_key="d")
+    enqueue(conn, "t.ok", {}, dedup_key="d")  # a dedup hit
+
+
+def test_worker_and_fleet_endpoints_match_the_database(dsn: str, conn: db.Conn) -> None:
+    known_workload(conn)
+    enqueue(conn, "t.ok", {}, queue="later", delay_seconds=3600)  # waiting, not ready
+    worker_port = free_port()
+    run_burst(dsn, metrics_port=worker_port, concurrency=1)
+    w = scrape(worker_port)
+    assert w[("qconsole_jobs_succeeded_total", labels("t.ok"))] == 4
+    assert w[("qconsole_jobs_started_total", labels("t.flaky"))] == 2
+    assert w[("qconsole_jobs_retried_total", labels("t.flaky"))] == 1
+    assert w[("qconsole_jobs_failed_total", labels("t.permanent"))] == 1
+    assert w[("qconsole_jobs_dead_lettered_total", labels("t.unknown"))] == 1
+    assert w[("qconsole_jobs_unknown_errors_total", labels("t.unknown"))] == 2
+    assert w[("qconsole_idempotency_hits_total", labels("t.ledger"))] == 1
+    assert w[("qconsole_job_duration_seconds_count", labels("t.ok"))] == 4
+    assert w[("qconsole_job_queue_latency_seconds_count", labels("t.flaky"))] == 2
+
+    fleet_port = free_port()
+    serve_fleet(dsn, fleet_port, "127.0.0.1")
+    f = scrape(fleet_port)
+    db_counts = {
+        (r["job_type"], r["queue"], r["state"]): r["n"]
+        for r in conn.execute("SELECT job_type, queue, state, count(*) AS n FROM job_queue GROUP BY 1, 2, 3")
+    }
+    for (job_type, queue, state), n in db_counts.items():
+        if state in ("queued", "running", "retry_scheduled", "failed", "dead_lettered"):
+            assert f[("qconsole_jobs", labels(job_type, queue, state=state))] == n
+    assert f[("qconsole_jobs", labels("t.unknown", state="dead_lettered"))] == 1
+    assert f[("qconsole_jobs", labels("t.ok", "later", state="queued"))] == 1
+    assert f[("qconsole_oldest_waiting_job_age_seconds", labels("t.ok", "later"))] == 0  # not ready yet
+    window = stats.WINDOW_MINUTES
+    assert f[("qconsole_dead_letters_per_minute", labels("t.unknown"))] == pytest.approx(1 / window)
+    assert f[("qconsole_jobs_succeeded_per_minute", labels("t.ok"))] == pytest.approx(4 / window)
+    assert f[("qconsole_database_up", ())] == 1
+    ov = {t.job_type: t for t in stats.overview(conn).types if t.queue == "default"}
+    assert ov["t.ok"].dedup_hits == 1 and ov["t.ledger"].idempotency_hits == 1
+
+
+@pytest.fixture
+def json_logs() -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level)
+    setup_logging("json", "DEBUG", stream=stream)
+    yield stream
+    for h in list(root.handlers):
+        if getattr(h, "_worker_core", False):
+            root.removeHandler(h)
+    for h in before[0]:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(before[1])
+
+
+def test_every_job_log_line_carries_the_job_fields(dsn: str, conn: db.Conn, json_logs: io.StringIO) -> None:
+    enqueue(conn, "t.flaky", {"fail_times": 1}, trace_id="trace-7", idempotency_key="idem-7")
+    enqueue(conn, "t.permanent", {}, trace_id="trace-8")
+    run_burst(dsn)
+    lines = [json.loads(line) for line in json_logs.getvalue().splitlines()]
+    about_jobs = [line for line in lines if "job_id" in line]
+    assert len(about_jobs) >= 2
+    for line in about_jobs:
+        for key in ("job_id", "job_type", "queue", "attempt", "trace_id", "worker_id", "ts", "level", "msg"):
+            assert key in line, (key, line)
+    flaky = [line for line in about_jobs if line["job_type"] == "t.flaky"]
+    assert flaky and all(line["idempotency_key"] == "idem-7" and line["trace_id"] == "trace-7" for line in flaky)
