@@ -45,7 +45,7 @@ def percentile(values: Sequence[float], p: float) -> float:
     s = sorted(values)
     if not s:
         return float("nan")
-    k = max(0, min(len(s) - 1, int(round(p / 100.0 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, round(p / 100.0 * len(s) + 0.5) - 1))
     return s[k]
 
 
