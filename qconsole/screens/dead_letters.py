@@ -156,12 +156,12 @@ class DeadLettersScreen(ConsoleScreen):
         self.marked.clear()
 
     def _describe(self, groups: list[DeadLetterGroup]) -> str:
-        lines = [fmt.clip(f"{g.count:>6}  {g.job_type}: {g.fingerprint}", 58) for g in groups[:5]]
+        lines = [f"{g.count:>6}  " + fmt.clip(f"{g.job_type}: {g.fingerprint}", 50) for g in groups[:5]]
         if len(groups) > 5:
             lines.append(f"  ... and {len(groups) - 5} more group(s)")
         return "\n".join(lines)
 
-    def _run_on_groups(self, name: str, allowed: set[str], verb: str, why_not: str) -> None:
+    def _run_on_groups(self, name: str, allowed: set[str], verb: str, why_not: str, outcome: str) -> None:
         targets = self.targets()
         if not targets:
             self.notify("No group under the cursor.", severity="warning")
@@ -169,7 +169,7 @@ class DeadLettersScreen(ConsoleScreen):
         ok = [g for g in targets if g.state in allowed]
         skipped = [g for g in targets if g.state not in allowed]
         n = sum(g.count for g in ok)
-        details = self._describe(ok)
+        details = self._describe(ok) + "\n" + outcome
         if skipped:
             details += f"\nSkipped: {len(skipped)} group(s) ({sum(g.count for g in skipped)} jobs) {why_not}."
         if not ok:
@@ -192,10 +192,22 @@ class DeadLettersScreen(ConsoleScreen):
         )
 
     def action_requeue(self) -> None:
-        self._run_on_groups("requeue", REQUEUEABLE, "Requeue", "are still retrying: kill them instead")
+        self._run_on_groups(
+            "requeue",
+            REQUEUEABLE,
+            "Requeue",
+            "are still retrying: kill them instead",
+            "Back to queued with 1 fresh attempt each; their error history is kept.",
+        )
 
     def action_kill(self) -> None:
-        self._run_on_groups("kill", KILLABLE, "Kill", "are already dead or failed: requeue them instead")
+        self._run_on_groups(
+            "kill",
+            KILLABLE,
+            "Kill",
+            "are already dead or failed: requeue them instead",
+            "Cancelled now and never retried; a running one stops within a heartbeat.",
+        )
 
     @on(DataTable.RowSelected)
     def _row_selected(self, _event: DataTable.RowSelected) -> None:

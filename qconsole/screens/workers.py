@@ -193,6 +193,7 @@ class WorkersScreen(ConsoleScreen):
                 markup=False,
             )
             self._paint()
+            self.query_one(LiveTable).select_key(f"emb:{w.number}")
             self.reload()
 
         self.app.push_screen(

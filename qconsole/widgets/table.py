@@ -68,3 +68,11 @@ class LiveTable(DataTable[Any]):
         if self.row_count:
             self.move_cursor(row=index, animate=False, scroll=False)
             self.scroll_to(y=scroll_y, animate=False)
+
+    def select_key(self, key: str) -> None:
+        """Put the cursor on the row with this key, if there is one."""
+        try:
+            index = self.get_row_index(key)
+        except Exception:
+            return
+        self.move_cursor(row=index)
