@@ -208,12 +208,12 @@ class QConsoleApp(App[int]):
     def _show_embedded_exit(self, m: EmbeddedWorkerExited) -> None:
         if m.crashed:
             again = " Restarting it." if m.restarting else ""
+            # short: a crash loop must not bury the screen; the output is one key away (w)
             self.notify(
-                f"Embedded worker #{m.number} (pid {m.pid}) crashed with exit code {m.exit_code}.{again}"
-                + (f"\nLast output: {m.last_line[:160]}" if m.last_line else ""),
+                f"Embedded worker #{m.number} (pid {m.pid}) exited with {m.exit_code}.{again} Output: w",
                 title="worker crashed",
                 severity="error",
-                timeout=12,
+                timeout=6,
                 markup=False,
             )
         else:

@@ -346,7 +346,7 @@ def test_start_and_stop_an_embedded_worker_that_crashes_and_restarts(
             # a handler that kills its process: the crash is shown, the worker restarts, the UI keeps going
             make_job("t.crash", {})
             await until(pilot, lambda: w.crashes >= 1, what="the crash")
-            await until(pilot, lambda: "crashed with exit code 13" in notes(app), what="the crash notice")
+            await until(pilot, lambda: "exited with 13" in notes(app), what="the crash notice")
             await pilot.press("a", "w")  # still responsive
             await until(pilot, lambda: w.running and w.restarts >= 1, what="the restart")
             await until(pilot, registered, what="the restarted worker's heartbeat")
