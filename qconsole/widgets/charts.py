@@ -18,11 +18,11 @@ def top_series(series: Mapping[str, Sequence[float]], n: int = MAX_SERIES) -> li
     return ranked[:n]
 
 
-class SeriesChart(PlotextPlot):
-    """Per-minute lines over the last hour, one per key, x in minutes before now."""
+class _Chart(PlotextPlot):
+    """A titled, bordered plotext figure that draws its empty state once mounted."""
 
     DEFAULT_CSS = """
-    SeriesChart {
+    _Chart {
         height: 1fr;
         width: 1fr;
         border: round $panel-lighten-2;
@@ -37,6 +37,16 @@ class SeriesChart(PlotextPlot):
     def on_mount(self) -> None:
         super().on_mount()
         self.border_title = self.chart_title
+        self.draw_empty()
+
+    def draw_empty(self) -> None:
+        raise NotImplementedError
+
+
+class SeriesChart(_Chart):
+    """Per-minute lines over the last hour, one per key, x in minutes before now."""
+
+    def draw_empty(self) -> None:
         self.set_series({})
 
     def set_series(self, series: Mapping[str, Sequence[float]]) -> None:
@@ -55,25 +65,10 @@ class SeriesChart(PlotextPlot):
         self.refresh()
 
 
-class BarChart(PlotextPlot):
+class BarChart(_Chart):
     """Counts per category."""
 
-    DEFAULT_CSS = """
-    BarChart {
-        height: 1fr;
-        width: 1fr;
-        border: round $panel-lighten-2;
-    }
-    """
-
-    def __init__(self, title: str, unit: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.chart_title = title
-        self.unit = unit
-
-    def on_mount(self) -> None:
-        super().on_mount()
-        self.border_title = self.chart_title
+    def draw_empty(self) -> None:
         self.set_bars({})
 
     def set_bars(self, bars: Mapping[str, float]) -> None:
