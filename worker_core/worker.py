@@ -796,11 +796,16 @@ class Slot:
 
     def release(self, ex: Execution, delay: float) -> None:
         params = {**self._fence(ex), "scheduled_at": self.w.clock.now() + dt.timedelta(seconds=delay)}
-        self._write(queries["release_job"], params, ex)
+        if self._write(queries["release_job"], params, ex) is False:
+            # refused: another worker holds the job, or an operator killed it before this worker saw the
+            # flag (a shutdown shorter than a heartbeat). A killed job must never run again: settle it
+            # cancelled (fenced too, so a job another worker holds is left alone)
+            self.settle_failure(ex, Cancelled("killed"))
 
-    def _write(self, query: str, params: dict[str, Any], ex: Execution) -> bool:
+    def _write(self, query: str, params: dict[str, Any], ex: Execution) -> bool | None:
         """A fenced settlement, retried through a database outage until the job's lease would have run out
-        (after that another worker owns the job and the fence would refuse us anyway)."""
+        (after that another worker owns the job and the fence would refuse us anyway). True: written;
+        False: refused by the fence; None: the database could not be reached."""
         deadline = time.monotonic() + ex.job["visibility_timeout_seconds"]
         backoff = 0.1
         while True:
@@ -814,7 +819,7 @@ class Slot:
                 self.reset()
                 if time.monotonic() + backoff > deadline or not _is_db_error(e):
                     ex.ctx.logger.error("could not settle the job: %s", db.redact(str(e).strip(), self.w.dsn))
-                    return False
+                    return None
                 time.sleep(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, 5.0)
 

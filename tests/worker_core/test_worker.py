@@ -379,6 +379,21 @@ def test_a_kill_during_a_graceful_shutdown_is_still_seen(conn: db.Conn, dsn: str
         assert wt.join(30) == 0
 
 
+def test_a_kill_the_worker_had_not_seen_when_it_releases_the_job_still_cancels_it(conn: db.Conn, dsn: str) -> None:
+    # the shutdown grace (0.2 s) ends long before the next heartbeat (30 s) could see the kill
+    j = enqueue(conn, "t.slow", {"seconds": 60, "ledger": True}).id
+    wt = WorkerThread(dsn, burst=False, heartbeat_interval=30, shutdown_grace=0.2).start()
+    try:
+        wait_for(lambda: state(dsn, j) == "running", 10, what="the job to start")
+        ops.kill(conn, [j], actor=ME)
+    finally:
+        assert wt.stop() == 0
+    row = job(dsn, j)
+    assert_settled(row, "cancelled", 1)  # not released to run again
+    assert not row["cancel_requested"] and kinds(dsn, j) == ["cancelled"]
+    assert run_burst(dsn).claimed_total == 0 and ledger(dsn) == []
+
+
 def test_requeue_of_a_dead_letter_gives_a_fresh_budget_and_keeps_history(conn: db.Conn, dsn: str) -> None:
     j = enqueue(conn, "t.flaky", {"fail_times": 2, "ledger": True}, max_attempts=2).id
     run_burst(dsn)

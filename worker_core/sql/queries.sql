@@ -256,10 +256,12 @@ RETURNING id;
 
 -- name: release_job
 -- Give a claimed job back without counting the attempt: shutdown before it finished, or lock contention.
+-- Never a job an operator killed meanwhile: the worker settles that one cancelled instead.
 UPDATE job_queue SET
     state = 'queued', attempts = attempts - 1, locked_by = NULL, locked_until = NULL,
     scheduled_at = %(scheduled_at)s, started_at = NULL, updated_at = %(now)s
 WHERE id = %(id)s AND state = 'running' AND attempts = %(attempt)s AND locked_by = %(worker)s
+  AND NOT cancel_requested
 RETURNING id;
 
 -- name: expire_worker_leases
