@@ -475,7 +475,6 @@ def test_sigterm_with_a_short_grace_releases_the_job_with_its_attempt(
             again._claim_conn.close()
 
 
-@pytest.mark.slow
 def test_processes_a_payload_that_kills_its_process_is_dead_lettered_while_others_flow(
     conn: db.Conn, dsn: str
 ) -> None:
