@@ -298,6 +298,16 @@ def load_average() -> list[float]:
         return []
 
 
+def wait_for_quiet(max_wait: float, threshold: float = 30.0) -> float:
+    """Between measurements the bench itself is idle: wait (up to ``max_wait`` s) until the machine's CPU
+    use, which is then other people's, drops under ``threshold`` percent. Returns the last reading."""
+    deadline = time.monotonic() + max_wait
+    busy = psutil.cpu_percent(interval=0.5)
+    while busy >= threshold and time.monotonic() < deadline:
+        busy = psutil.cpu_percent(interval=1.0)
+    return busy
+
+
 def busy_other_processes(own: set[int]) -> list[str]:
     """Other processes using the CPU right now: the figures are only as quiet as the machine."""
     procs = []

@@ -27,7 +27,8 @@ CLAIM_SCRIPT = """BEGIN;
 WITH next AS (
     SELECT id FROM bench_jobs WHERE state = 'queued' ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED
 )
-UPDATE bench_jobs j SET state = 'running', started_at = now() FROM next WHERE j.id = next.id RETURNING j.id AS job_id \\gset
+UPDATE bench_jobs j SET state = 'running', started_at = now() FROM next WHERE j.id = next.id
+RETURNING j.id AS job_id \\gset
 UPDATE bench_jobs SET state = 'done', finished_at = now() WHERE id = :job_id;
 END;
 """

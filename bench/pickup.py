@@ -29,15 +29,31 @@ SPACING = 0.05
 def _worker_command(system: str, qc_concurrency: int) -> list[str]:
     if system == "qconsole":
         return [
-            sys.executable, "-m", "qconsole", "worker", "--tasks", "bench.peers.qconsole_tasks",
-            "--concurrency", str(qc_concurrency), "--log-level", "WARNING",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "qconsole",
+            "worker",
+            "--tasks",
+            "bench.peers.qconsole_tasks",
+            "--concurrency",
+            str(qc_concurrency),
+            "--log-level",
+            "WARNING",
+        ]
     if system == "pgqueuer":
         return [sys.executable, "-m", "bench.peers.pgqueuer_worker", "--batch-size", "10", "--mode", "continuous"]
     return [
-        sys.executable, "-m", "procrastinate", "--app", "bench.peers.procrastinate_app.app", "--log-level", "warning",
-        "worker", "--concurrency", "8",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "procrastinate",
+        "--app",
+        "bench.peers.procrastinate_app.app",
+        "--log-level",
+        "warning",
+        "worker",
+        "--concurrency",
+        "8",
+    ]
 
 
 class _Producer:
@@ -110,7 +126,9 @@ def measure(server: Server, system: str, count: int, qc_concurrency: int, logdir
     with server.fresh_db(dbname) as dsn:
         impl.setup(dsn)
         env = child_env({**impl.env(dsn), PICKUP_FILE_ENV: str(probe)})
-        worker = Child.start(_worker_command(system, qc_concurrency), f"{system}-pickup", env, logdir / f"pickup-{system}.log")
+        worker = Child.start(
+            _worker_command(system, qc_concurrency), f"{system}-pickup", env, logdir / f"pickup-{system}.log"
+        )
         producer = _Producer(system, dsn)
         try:
             producer.send(-1)

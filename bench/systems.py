@@ -122,11 +122,21 @@ class QConsole(System):
         # one supervisor for --processes N, as an operator would run it
         return [
             [
-                sys.executable, "-m", "qconsole", "worker", "--tasks", self.TASKS,
-                "--processes", str(cfg.processes), "--concurrency", str(cfg.width), "--burst",
-                "--log-level", "WARNING",
+                sys.executable,
+                "-m",
+                "qconsole",
+                "worker",
+                "--tasks",
+                self.TASKS,
+                "--processes",
+                str(cfg.processes),
+                "--concurrency",
+                str(cfg.width),
+                "--burst",
+                "--log-level",
+                "WARNING",
             ]
-        ]  # fmt: skip
+        ]
 
     def env(self, dsn: str) -> dict[str, str]:
         return {"QCONSOLE_DSN": dsn, "QCBENCH_DSN": dsn}
@@ -189,8 +199,14 @@ class PgQueuerSystem(System):
 
     def worker_commands(self, cfg: Config, workload: str) -> list[list[str]]:
         cmd = [
-            sys.executable, "-m", "bench.peers.pgqueuer_worker", "--batch-size", str(cfg.width), "--mode", "drain",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "bench.peers.pgqueuer_worker",
+            "--batch-size",
+            str(cfg.width),
+            "--mode",
+            "drain",
+        ]
         return [cmd for _ in range(cfg.processes)]
 
 
@@ -245,9 +261,18 @@ class ProcrastinateSystem(System):
 
     def worker_commands(self, cfg: Config, workload: str) -> list[list[str]]:
         cmd = [
-            sys.executable, "-m", "procrastinate", "--app", "bench.peers.procrastinate_app.app",
-            "--log-level", "warning", "worker", "--concurrency", str(cfg.width), "--one-shot",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "procrastinate",
+            "--app",
+            "bench.peers.procrastinate_app.app",
+            "--log-level",
+            "warning",
+            "worker",
+            "--concurrency",
+            str(cfg.width),
+            "--one-shot",
+        ]
         return [cmd for _ in range(cfg.processes)]
 
 
