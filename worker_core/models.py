@@ -233,7 +233,6 @@ class Overview:
     window_minutes: int
     #: per (queue, job_type): per-minute series over the last hour
     throughput: dict[tuple[str, str], list[float]] = field(default_factory=dict)
-    lag: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
