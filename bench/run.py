@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="before each measurement, wait up to this many seconds for other work on the machine to calm down "
         "(default 10; quick 3)",
     )
+    p.add_argument(
+        "--no-analyze",
+        action="store_true",
+        help="do not ANALYZE the queue tables after the enqueue (shows how each claim copes with a table whose "
+        "statistics predate the backlog)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     a = p.parse_args(argv)
     quick = a.quick
@@ -145,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if server.kind == "embedded":
         res["notes"].append("no server was reachable: these figures come from the embedded PostgreSQL server")
-    if server.settings.get("autovacuum") == "off":
+    if args.no_analyze:
+        res["notes"].append("--no-analyze: queue tables were drained with the statistics of an empty table")
+    elif server.settings.get("autovacuum") == "off":
         res["notes"].append(
             "autovacuum is off on this server: the bench ANALYZEs the queue tables itself after each enqueue"
         )
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if kind == "drain":
                         n = args.peer_jobs if a.system == "procrastinate" else args.jobs
-                        r = throughput.measure(server, a, b, n, logdir, tag).as_dict()
+                        r = throughput.measure(server, a, b, n, logdir, tag, analyze=not args.no_analyze).as_dict()
                         r.update({"round": rnd, "load": load_average(), "cpu_busy_before": busy})
                         res["drains"].append(r)
                     elif kind == "pgbench":

@@ -52,7 +52,14 @@ class DrainResult:
 
 
 def measure(
-    server: Server, cfg: Config, workload: str, n: int, logdir: Path, tag: str, timeout: float | None = None
+    server: Server,
+    cfg: Config,
+    workload: str,
+    n: int,
+    logdir: Path,
+    tag: str,
+    timeout: float | None = None,
+    analyze: bool = True,
 ) -> DrainResult:
     system = SYSTEMS[cfg.system]
     dbname = f"qcbench_tp_{tag}"
@@ -63,7 +70,8 @@ def measure(
         system.enqueue(dsn, workload, n)
         enqueue_rate = n / (time.perf_counter() - t0)
         with psycopg.connect(dsn, autocommit=True) as conn:
-            system.analyze(conn)
+            if analyze:
+                system.analyze(conn)
             before = db_counters(server.admin_dsn, dbname)
             env = child_env(system.env(dsn))
             logfile = logdir / f"{cfg.system}-{workload}-{tag}.log"
