@@ -23,13 +23,24 @@ class JobContext:
     worker_id: str
     #: a logger bound to the job's fields
     logger: JobLogger
-    #: the job's own transaction: a psycopg Connection (sync handlers) or AsyncConnection (async ones).
-    #: Writes through it commit together with the idempotency record and the ``succeeded`` transition.
-    tx: Any = None
+    #: the job's own transaction, as ``ctx.tx``: a psycopg Connection (sync handlers) or AsyncConnection (async
+    #: ones). Writes through it commit together with the idempotency record and the ``succeeded`` transition.
+    _tx: Any = field(default=None, repr=False)
+    #: the handler asked for ``ctx.tx``: its success must commit in that transaction
+    tx_used: bool = False
     #: the worker's database, for work that must happen outside the job's transaction
     dsn: str | None = None
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     cancel_reason: str | None = None
+
+    @property
+    def tx(self) -> Any:
+        self.tx_used = True
+        return self._tx
+
+    @tx.setter
+    def tx(self, conn: Any) -> None:
+        self._tx = conn
 
     @property
     def cancelled(self) -> bool:

@@ -31,6 +31,7 @@ class Retention:
 class HousekeepingReport:
     pruned_jobs: int
     enqueued_rolled_up_until: dt.datetime | None
+    analyzed: bool = False
 
 
 def _minute(t: dt.datetime) -> dt.datetime:
@@ -49,6 +50,16 @@ def rollup_enqueued(conn: Conn, now: dt.datetime) -> dt.datetime | None:
     conn.execute(queries["rollup_enqueued"], {"since": since, "upto": upto})
     conn.execute(queries["housekeeping_set_watermark"], {"name": "enqueued", "watermark": upto, "now": now})
     return upto
+
+
+def analyze_if_stale(conn: Conn, threshold: int = 1000) -> bool:
+    """ANALYZE job_queue when it never was, or changed by more than its own size since: a queue table goes
+    from empty to thousands of rows in a second, long before autovacuum looks at it."""
+    row = conn.execute(queries["job_queue_stats_age"]).fetchone()
+    if row is None or not (row["never"] or row["modified"] > max(threshold, row["live"])):
+        return False
+    conn.execute(queries["analyze_job_queue"])
+    return True
 
 
 def prune_finished(conn: Conn, now: dt.datetime, retention: Retention) -> int:
@@ -83,6 +94,7 @@ def housekeeping(
         conn.execute(queries["prune_resource_locks"], {"now": now})
         conn.execute(queries["prune_single_flight"], {"now": now})
         conn.execute(queries["workers_prune"], {"before": now - dt.timedelta(days=1)})
+        analyzed = analyze_if_stale(conn)
         until = rollup_enqueued(conn, now)
         pruned = prune_finished(conn, now, retention)
-    return HousekeepingReport(pruned_jobs=pruned, enqueued_rolled_up_until=until)
+    return HousekeepingReport(pruned_jobs=pruned, enqueued_rolled_up_until=until, analyzed=analyzed)

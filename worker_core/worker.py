@@ -55,6 +55,9 @@ class WorkerConfig:
     queues: tuple[str, ...] | None = None
     concurrency: int = 4
     batch_size: int | None = None
+    #: jobs claimed ahead of the free slots, so a slot never waits for a claim's round trip (None: as many as
+    #: ``concurrency``; 0: claim only for idle slots). Their leases are extended by heartbeats like the rest.
+    prefetch: int | None = None
     poll_interval: float = 1.0
     heartbeat_interval: float = 2.0
     shutdown_grace: float = 10.0
@@ -116,7 +119,10 @@ class Worker:
         self.log = bound_logger("worker_core.worker", worker_id=self.id)
         self.locks: LockBackend = lock_backend(config.lock_backend, clock)
         self.metrics = MetricsBuffer(clock)
-        self.batch_size = config.batch_size or config.concurrency
+        self.completer = Completer(self)
+        self.prefetch = config.concurrency if config.prefetch is None else max(0, config.prefetch)
+        self.capacity = config.concurrency + self.prefetch
+        self.batch_size = config.batch_size or self.capacity
         self._stopping = threading.Event()
         #: set once the worker has fully stopped (after the grace period): ends the heartbeat thread, which
         #: keeps extending leases and seeing kills of the jobs that finish during a graceful shutdown
@@ -179,6 +185,7 @@ class Worker:
         for i in range(self.config.concurrency):
             self._spawn(self._slot_main, f"slot-{i}", i)
         self._spawn(self._heartbeat_main, "heartbeat")
+        self._spawn(self.completer.run, "completer")
         self._spawn(self._listen_main, "listener")
         self._heartbeat_once()
         try:
@@ -205,6 +212,7 @@ class Worker:
                 self._slot_free.wait(0.1)
         for _ in range(self.config.concurrency):
             self._jobs.put(None)
+        self.completer.stop()
         # a burst run ends without stop(): end the heartbeat and listener threads (and their connections)
         # too, or every embedded worker run would leave them behind. The listener ends within a second.
         self._halted.set()
@@ -303,7 +311,8 @@ class Worker:
         self._limits = [(r["job_type"], r["scope"], r["max_running"]) for r in found]
 
     def _free_slots(self) -> int:
-        return self.config.concurrency - len(self._in_flight)
+        """Room for more claimed jobs: the slots plus the prefetch buffer, less what is in flight."""
+        return self.capacity - len(self._in_flight)
 
     def _may_claim(self) -> bool:
         """Not while a job runs alone, nor while draining for one; else when a slot is free."""
@@ -311,7 +320,9 @@ class Worker:
             return False
         if self._want_solo and self._in_flight:
             return False
-        return self._free_slots() > 0
+        free = self._free_slots()
+        # claim in batches: at once when a slot may idle, else when half the buffer is gone
+        return free > 0 and (len(self._in_flight) < self.config.concurrency or free >= max(1, self.prefetch // 2))
 
     def _claim_loop(self) -> None:
         backoff = 0.0
@@ -493,6 +504,84 @@ class Worker:
         slot.close()
 
 
+class Completer:
+    """Settles, in batches, the successes that have no effect to commit with them (see _run_sync).
+
+    A job waits here at most a few milliseconds; if the worker dies first, the job's lease expires and it
+    runs again, which is harmless for a job that wrote nothing transactional and has no idempotency key."""
+
+    FLUSH_SECONDS = 0.005
+    MAX_BATCH = 500
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self._pending: list[Execution] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._conn: db.Conn | None = None
+        self.flushed = 0
+
+    def add(self, ex: Execution) -> None:
+        with self._cond:
+            self._pending.append(ex)
+            if len(self._pending) >= self.MAX_BATCH:
+                self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        deadline = time.monotonic() + 10
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def run(self) -> None:
+        backoff = 0.05
+        while True:
+            with self._cond:
+                if not self._pending and self._stop:
+                    if self._conn is not None:
+                        self._conn.close()
+                    return
+                self._cond.wait(self.FLUSH_SECONDS)
+                batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
+            if not batch:
+                continue
+            try:
+                self._flush(batch)
+                backoff = 0.05
+            except psycopg.Error as e:
+                self._conn = None
+                with self._cond:
+                    self._pending[:0] = batch
+                self.w.log.warning("completer: %s; retrying", db.redact(str(e).strip(), self.w.dsn))
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _flush(self, batch: list[Execution]) -> None:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = db.connect(self.w.dsn, application_name=self.w.config.application_name)
+        with self._conn.transaction():
+            rows = self._conn.execute(
+                queries["settle_succeeded_many"],
+                {
+                    "ids": [ex.job["id"] for ex in batch],
+                    "attempts": [ex.job["attempts"] for ex in batch],
+                    "worker": self.w.id,
+                    "now": self.w.clock.now(),
+                },
+            ).fetchall()
+        self.flushed += len(rows)
+        if len(rows) < len(batch):
+            settled = {r["id"] for r in rows}
+            for ex in batch:
+                if ex.job["id"] not in settled:
+                    ex.ctx.logger.warning("job no longer held by this worker: not settled")
+
+
 class Slot:
     """One unit of concurrency: a connection (and, lazily, an event loop and async connection)."""
 
@@ -538,6 +627,10 @@ class Slot:
 
     def execute(self, ex: Execution) -> None:
         w, job, ctx = self.w, ex.job, ex.ctx
+        if ctx.cancelled:
+            # killed, lease lost or shutting down while it waited in the prefetch buffer: never started
+            self._after_failure(ex, self._cancel_exc(ex))
+            return
         task = w.registry.get(job["job_type"])
         now = w.clock.now()
         w.metrics.add(job["queue"], job["job_type"], "started")
@@ -630,6 +723,11 @@ class Slot:
                 return
         ex.ctx.tx = conn
         self._call_sync(ex, task)
+        if not ex.ctx.tx_used and not job["idempotency_key"]:
+            # no effect to commit with it: the completer settles it with others in one statement
+            self.w.completer.add(ex)
+            self._succeeded(ex, idempotency_hit=False)
+            return
         if conn.execute(queries["settle_succeeded"], self._fence(ex)).fetchone() is None:
             raise LeaseLost()
         conn.commit()

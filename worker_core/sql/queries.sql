@@ -58,9 +58,10 @@ WITH ready AS MATERIALIZED (
     WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s AND NOT suspect
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
-      AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
-      AND NOT EXISTS (SELECT 1 FROM concurrency_limits l
-                      WHERE l.job_type = job_queue.job_type AND l.queue IN ('*', job_queue.queue))
+      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
+      AND job_type <> ALL(ARRAY(SELECT job_type FROM concurrency_limits WHERE queue = '*'))
+      AND job_type || ' ' || queue <> ALL(ARRAY(SELECT job_type || ' ' || queue FROM concurrency_limits
+                                                WHERE queue <> '*'))
     ORDER BY priority, scheduled_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -83,7 +84,7 @@ WITH expired AS MATERIALIZED (
     WHERE state = 'running' AND locked_until < %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
-      AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
+      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
     ORDER BY locked_until
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -92,7 +93,7 @@ WITH expired AS MATERIALIZED (
     WHERE suspect AND state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
-      AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
+      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
       AND NOT EXISTS (SELECT 1 FROM expired)
     ORDER BY priority, scheduled_at, id
     LIMIT 1
@@ -154,7 +155,7 @@ WITH running AS (
       AND NOT (%(scope)s = '*' AND EXISTS (SELECT 1 FROM concurrency_limits l
                                          WHERE l.job_type = job_queue.job_type AND l.queue = job_queue.queue))
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
-      AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue)
+      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
     ORDER BY priority, scheduled_at, id
     LIMIT greatest(0, least(%(limit)s, %(max_running)s - (SELECT n FROM running)))
     FOR UPDATE SKIP LOCKED
@@ -238,6 +239,16 @@ UPDATE job_queue SET
     cancel_requested = false
 WHERE id = %(id)s AND state = 'running' AND attempts = %(attempt)s AND locked_by = %(worker)s
 RETURNING id;
+
+-- name: settle_succeeded_many
+-- The batch completer: jobs whose handler wrote nothing through ctx.tx and carry no idempotency key have
+-- no effect to commit with their settlement, so many settle in one statement. Fenced per job.
+UPDATE job_queue j SET
+    state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, cancel_requested = false,
+    suspect = false
+FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
+WHERE j.id = d.id AND j.state = 'running' AND j.attempts = d.attempt AND j.locked_by = %(worker)s
+RETURNING j.id;
 
 -- name: settle_error
 UPDATE job_queue SET
@@ -342,7 +353,7 @@ ON CONFLICT (minute, queue, job_type) DO UPDATE SET
 SELECT count(*) AS n FROM job_queue
 WHERE (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
   AND (state IN ('running', 'retry_scheduled') OR (state = 'queued' AND scheduled_at <= %(now)s))
-  AND NOT EXISTS (SELECT 1 FROM queues p WHERE p.paused AND p.name = job_queue.queue);
+  AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused));
 
 -- name: next_due_at
 SELECT min(scheduled_at) AS at FROM job_queue
@@ -571,3 +582,13 @@ DELETE FROM single_flight_results WHERE key = %(key)s;
 
 -- name: prune_single_flight
 DELETE FROM single_flight_results WHERE expires_at < %(now)s;
+
+-- name: job_queue_stats_age
+-- Whether the planner's statistics of job_queue are missing or stale (a burst from an empty table):
+-- with none, it sorts every ready job on each claim instead of walking the ready index.
+SELECT (last_analyze IS NULL AND last_autoanalyze IS NULL) AS never, n_mod_since_analyze AS modified,
+       greatest(n_live_tup, 1) AS live
+FROM pg_stat_user_tables WHERE relid = 'job_queue'::regclass;
+
+-- name: analyze_job_queue
+ANALYZE job_queue;
