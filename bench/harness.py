@@ -275,6 +275,8 @@ def machine() -> dict[str, Any]:
 
 
 def git_describe() -> str:
+    if os.environ.get("QCBENCH_CODE_VERSION"):
+        return os.environ["QCBENCH_CODE_VERSION"]
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
@@ -289,6 +291,28 @@ def git_describe() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+def code_version() -> str:
+    """HEAD plus a digest of the uncommitted changes to the code under test: the code can change under a
+    long run when others commit to this checkout, and the report says so."""
+    import hashlib
+
+    if os.environ.get("QCBENCH_CODE_VERSION"):
+        return os.environ["QCBENCH_CODE_VERSION"]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        diff = subprocess.run(
+            ["git", "diff", "HEAD", "--", "worker_core", "qconsole", "migrations"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (f"+{hashlib.sha1(diff).hexdigest()[:7]}" if diff else "")
 
 
 def load_average() -> list[float]:

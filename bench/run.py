@@ -28,6 +28,7 @@ from bench.harness import (
     RESULTS,
     Server,
     busy_other_processes,
+    code_version,
     load_average,
     log,
     machine,
@@ -192,23 +193,31 @@ def main(argv: list[str] | None = None) -> int:
             for kind, a, b in _rotate(items, rnd * max(1, len(items) // args.runs)):
                 tag = f"r{rnd}"
                 busy = wait_for_quiet(args.quiet_wait)
+                code = code_version()
                 if busy >= 30:
                     log(f"  the machine is {busy:.0f}% busy with other work; measuring anyway")
                 try:
                     if kind == "drain":
                         n = args.peer_jobs if a.system == "procrastinate" else args.jobs
                         r = throughput.measure(server, a, b, n, logdir, tag, analyze=not args.no_analyze).as_dict()
-                        r.update({"round": rnd, "load": load_average(), "cpu_busy_before": busy})
+                        r.update({"round": rnd, "load": load_average(), "cpu_busy_before": busy, "code": code})
                         res["drains"].append(r)
                     elif kind == "pgbench":
                         assert pgb is not None
                         tps = pgb.measure(a, b)
                         res["pgbench_runs"].append(
-                            {"round": rnd, "scenario": a, "clients": b, "tps": tps, "cpu_busy_before": busy}
+                            {
+                                "round": rnd,
+                                "scenario": a,
+                                "clients": b,
+                                "tps": tps,
+                                "cpu_busy_before": busy,
+                                "code": code,
+                            }
                         )
                     else:
                         r = pickup.measure(server, a, args.pickup_jobs, args.qc_concurrency, logdir)
-                        r.update({"round": rnd, "cpu_busy_before": busy})
+                        r.update({"round": rnd, "cpu_busy_before": busy, "code": code})
                         res["pickup_runs"].append(r)
                 except KeyboardInterrupt:
                     raise
@@ -222,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         # ------------------------------------------------------------ the big table: claims and console
         if "bigtable" in args.only or "console" in args.only:
             try:
+                res["bigtable_code"] = code_version()
                 big = bigtable.run(
                     server,
                     finished=args.rows,
@@ -248,6 +258,16 @@ def main(argv: list[str] | None = None) -> int:
         server.cleanup()
 
     res["load_end"] = load_average()
+    versions = sorted(
+        {d.get("code") for d in res["drains"] + res["pickup_runs"] if d.get("code")}
+        | ({res["bigtable_code"]} if res.get("bigtable_code") else set())
+    )
+    res["code_versions"] = versions
+    if len(versions) > 1:
+        res["notes"].append(
+            "THE CODE UNDER TEST CHANGED DURING THIS RUN (" + ", ".join(versions) + "): medians mix versions; "
+            "see each measurement's 'code' in latest.json, and run again on a quiet checkout"
+        )
     res["duration_s"] = round(time.perf_counter() - started, 1)
     res["medians"] = _medians(res)
     text = report.render(res)

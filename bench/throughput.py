@@ -24,6 +24,8 @@ from bench.harness import Child, Server, child_env, db_counters, log
 from bench.systems import SYSTEMS, Config
 
 POLL = 0.05
+#: a drain in which no job finished this long after the workers were launched is abandoned
+STALL = 60.0
 
 
 @dataclass
@@ -80,7 +82,7 @@ def measure(
                 Child.start(cmd, f"{cfg.system}-{i}", env, logfile)
                 for i, cmd in enumerate(system.worker_commands(cfg, workload))
             ]
-            deadline = launched + (timeout or max(120.0, n / 40.0))
+            deadline = launched + (timeout or max(180.0, n / 40.0))
             t1 = r1 = t_end = None
             try:
                 while time.perf_counter() < deadline:
@@ -94,6 +96,9 @@ def measure(
                     elif not conn.execute(system.any_left_sql()).fetchone()[0]:  # type: ignore[index]
                         t_end = time.perf_counter()
                         break
+                    if t1 is None and time.perf_counter() - launched > STALL:
+                        problems.append(f"no job finished within {STALL:.0f}s of the launch: see {logfile}")
+                        break
                     if any(c.poll() not in (None, 0) for c in children):
                         problems.append("a worker process exited with an error: see " + str(logfile))
                         break
@@ -101,7 +106,7 @@ def measure(
                 else:
                     problems.append(f"not drained within {deadline - launched:.0f}s")
                 for c in children:
-                    if c.wait(30) is None:
+                    if c.wait(0 if problems else 30) is None and not problems:
                         problems.append(f"{c.name} did not exit by itself after the drain")
                         c.stop()
             finally:
