@@ -202,6 +202,7 @@ def set_paused(
         ensure_writable(conn)
         conn.execute(queries["queue_set_paused"], {"name": queue, "paused": paused, "now": now, "actor": str(actor)})
         audit_id = _audit(conn, now, actor, "pause" if paused else "resume", queue=queue, reason=reason)
+        conn.execute(queries["notify_control"], {"what": "queues"})
         if not paused:
             conn.execute(queries["notify_queue"], {"queue": queue})
     return ActionResult("pause" if paused else "resume", 1, [], [], audit_id)
@@ -244,6 +245,7 @@ def set_limit(
             conn, now, actor, "limit", queue=None if queue == "*" else queue, reason=reason,
             detail={"job_type": job_type, "queue": queue, "max_running": max_running},
         )  # fmt: skip
+        conn.execute(queries["notify_control"], {"what": "limits"})
     return ActionResult("limit", 1, [], [], audit_id)
 
 
@@ -260,4 +262,5 @@ def clear_limit(
             conn, now, actor, "unlimit", queue=None if queue == "*" else queue, reason=reason,
             detail={"job_type": job_type, "queue": queue, "existed": found is not None},
         )  # fmt: skip
+        conn.execute(queries["notify_control"], {"what": "limits"})
     return ActionResult("unlimit", 1, [], [], audit_id)

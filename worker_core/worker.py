@@ -80,7 +80,8 @@ class Execution:
     job: dict[str, Any]
     ctx: JobContext
     lock: tuple[str, str] | None = None
-    started: float = field(default_factory=time.monotonic)
+    #: a slot began it (it is no longer waiting in the prefetch buffer)
+    begun: bool = False
 
 
 class HandlerFailure(Exception):
@@ -138,6 +139,8 @@ class Worker:
         self._want_solo = True
         #: (job_type, queue scope, max running) of the limited types this worker handles; refreshed on heartbeats
         self._limits: list[tuple[str, str, int]] = []
+        self._paused: list[str] = []
+        self._filters_at: float | None = None
         self._limit_turn = 0
         #: a burst run does not end before this (monotonic) time: a job it gave back on lock contention is
         #: queued a little in the future, which ``burst_remaining`` does not count as work still to do
@@ -184,10 +187,10 @@ class Worker:
         )
         for i in range(self.config.concurrency):
             self._spawn(self._slot_main, f"slot-{i}", i)
+        self._heartbeat_once()  # before the heartbeat thread: they share its connection
         self._spawn(self._heartbeat_main, "heartbeat")
         self._spawn(self.completer.run, "completer")
         self._spawn(self._listen_main, "listener")
-        self._heartbeat_once()
         try:
             self._claim_loop()
         finally:
@@ -200,6 +203,10 @@ class Worker:
         self._threads.append(t)
 
     def _shutdown(self) -> None:
+        # jobs still waiting in the prefetch buffer are not started during a shutdown: released at once
+        for ex in list(self._in_flight.values()):
+            if not ex.begun:
+                ex.ctx.cancel("shutdown")
         deadline = time.monotonic() + self.config.shutdown_grace
         with self._slot_free:
             while self._in_flight and time.monotonic() < deadline:
@@ -241,11 +248,16 @@ class Worker:
             "all_queues": not queues,
             "queues": queues,
             "job_types": self.registry.job_types(),
+            "paused": self._paused,
+            "limited_types": [t for t, scope, _ in self._limits if scope == "*"],
+            "limited_pairs": [f"{t} {scope}" for t, scope, _ in self._limits if scope != "*"],
         }
 
     def _conn_for_claims(self) -> db.Conn:
         if self._claim_conn is None or self._claim_conn.closed or self._claim_conn.broken:
-            self._claim_conn = db.connect(self.dsn, application_name=self.config.application_name)
+            self._claim_conn = db.connect(self.dsn, application_name=self.config.application_name, autocommit=True)
+            # plan each claim with its parameters: a generic plan cannot see that no queue is paused
+            self._claim_conn.prepare_threshold = None
         return self._claim_conn
 
     def claim(self, limit: int) -> list[dict[str, Any]]:
@@ -254,14 +266,15 @@ class Worker:
         With nothing in flight and solo work waiting, it first claims one job whose lease expired (or a
         suspect), to run alone: see the ``claim_solo`` query."""
         conn = self._conn_for_claims()
+        if self._filters_at is None:
+            self._refresh_claim_filters(conn)
         rows: list[dict[str, Any]] = []
+        # each claim is one statement on an autocommit connection: atomic, and one round trip
         if not self._in_flight and self._want_solo:
-            with conn.transaction():
-                rows = conn.execute(queries["claim_solo"], self._claim_params(1)).fetchall()
+            rows = conn.execute(queries["claim_solo"], self._claim_params(1)).fetchall()
             self._want_solo = bool(rows)
         if not rows or all(r["state"] != "running" for r in rows):
-            with conn.transaction():
-                rows += conn.execute(queries["claim"], self._claim_params(limit)).fetchall()
+            rows += conn.execute(queries["claim"], self._claim_params(limit)).fetchall()
             rows += self._claim_limited(conn, limit - len(rows))
         running = []
         for row in rows:
@@ -296,6 +309,18 @@ class Worker:
                 conn.execute(queries["limit_lock"], params)
                 rows += conn.execute(queries["claim_limited"], {**params, "max_running": max_running}).fetchall()
         return rows
+
+    def refresh_claim_filters(self) -> None:
+        """Re-read paused queues and concurrency limits now. Workers do it on every heartbeat and as soon as
+        an operator action notifies ``worker_core_control``."""
+        self._refresh_claim_filters(self._conn_for_claims())
+
+    def _refresh_claim_filters(self, conn: db.Conn) -> None:
+        """Paused queues and concurrency limits, as the claims' parameters."""
+        self._refresh_limits(conn)
+        with conn.transaction():
+            self._paused = [r["name"] for r in conn.execute(queries["paused_queues"])]
+        self._filters_at = time.monotonic()
 
     def _refresh_limits(self, conn: db.Conn) -> None:
         with conn.transaction():
@@ -401,9 +426,12 @@ class Worker:
             try:
                 with db.connect(self.dsn, application_name=self.config.application_name, autocommit=True) as conn:
                     conn.execute("LISTEN worker_core_jobs")
+                    conn.execute("LISTEN worker_core_control")
                     backoff = 0.5
                     while not self.stopping:
-                        for _ in conn.notifies(timeout=1.0, stop_after=1):
+                        for note in conn.notifies(timeout=1.0, stop_after=1):
+                            if note.channel == "worker_core_control":
+                                self._filters_at = None  # a pause, resume or limit changed: re-read
                             self._wake.set()
             except psycopg.Error:
                 self._stopping.wait(backoff * random.uniform(0.8, 1.2))
@@ -467,7 +495,7 @@ class Worker:
                 )
         self.metrics.flush(conn)
         if not final:
-            self._refresh_limits(conn)
+            self._refresh_claim_filters(conn)
         if not final and not self._want_solo:
             with conn.transaction():
                 row = conn.execute(queries["solo_work_waiting"], self._claim_params(1)).fetchone()
@@ -627,6 +655,7 @@ class Slot:
 
     def execute(self, ex: Execution) -> None:
         w, job, ctx = self.w, ex.job, ex.ctx
+        ex.begun = True
         if ctx.cancelled:
             # killed, lease lost or shutting down while it waited in the prefetch buffer: never started
             self._after_failure(ex, self._cancel_exc(ex))

@@ -43,6 +43,9 @@ WHERE dedup_key = ANY(%(keys)s) AND state IN ('queued', 'running', 'retry_schedu
 ------------------------------------------------------------------------------------------------------
 -- The claims. Each lane is FOR UPDATE SKIP LOCKED in (priority, scheduled_at, id) order, MATERIALIZED
 -- so the planner cannot re-run the LIMIT subquery and lock more rows than asked (see Oban's fetch_jobs).
+-- Paused queues and limited types come as parameters the worker refreshes on every heartbeat (a pause or
+-- an operator's new limit takes effect within one heartbeat): subqueries here wreck the planner's row
+-- estimates, and it then sorts every ready job instead of walking the ready index.
 --
 -- claim: ready jobs, many at once, never suspects.
 -- claim_solo: for a worker with nothing in flight, one job: a running job whose lease expired (its
@@ -58,10 +61,9 @@ WITH ready AS MATERIALIZED (
     WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s AND NOT suspect
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
-      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
-      AND job_type <> ALL(ARRAY(SELECT job_type FROM concurrency_limits WHERE queue = '*'))
-      AND job_type || ' ' || queue <> ALL(ARRAY(SELECT job_type || ' ' || queue FROM concurrency_limits
-                                                WHERE queue <> '*'))
+      AND queue <> ALL(%(paused)s::text[])
+      AND job_type <> ALL(%(limited_types)s::text[])
+      AND job_type || ' ' || queue <> ALL(%(limited_pairs)s::text[])
     ORDER BY priority, scheduled_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -84,7 +86,7 @@ WITH expired AS MATERIALIZED (
     WHERE state = 'running' AND locked_until < %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
-      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
+      AND queue <> ALL(%(paused)s::text[])
     ORDER BY locked_until
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -93,7 +95,7 @@ WITH expired AS MATERIALIZED (
     WHERE suspect AND state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
-      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
+      AND queue <> ALL(%(paused)s::text[])
       AND NOT EXISTS (SELECT 1 FROM expired)
     ORDER BY priority, scheduled_at, id
     LIMIT 1
@@ -155,7 +157,7 @@ WITH running AS (
       AND NOT (%(scope)s = '*' AND EXISTS (SELECT 1 FROM concurrency_limits l
                                          WHERE l.job_type = job_queue.job_type AND l.queue = job_queue.queue))
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
-      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
+      AND queue <> ALL(%(paused)s::text[])
     ORDER BY priority, scheduled_at, id
     LIMIT greatest(0, least(%(limit)s, %(max_running)s - (SELECT n FROM running)))
     FOR UPDATE SKIP LOCKED
@@ -505,6 +507,10 @@ RETURNING id;
 
 -- name: notify_queue
 SELECT pg_notify('worker_core_jobs', %(queue)s);
+
+-- name: notify_control
+-- Paused queues or limits changed: every worker re-reads its claim filters (delivered on commit).
+SELECT pg_notify('worker_core_control', %(what)s);
 
 ------------------------------------------------------------------------------------------------------
 -- Console charts (stats.py): queue latency per minute from the rollups, and how many attempts the
