@@ -25,6 +25,7 @@ from qconsole.messages import EmbeddedWorkerExited
 from qconsole.screens.audit import AuditScreen
 from qconsole.screens.base import ConsoleScreen
 from qconsole.screens.charts import ChartsScreen
+from qconsole.screens.contracts import ContractsScreen
 from qconsole.screens.dead_letters import DeadLettersScreen
 from qconsole.screens.help import HelpScreen
 from qconsole.screens.job_detail import JobDetailScreen
@@ -58,6 +59,7 @@ class QConsoleApp(App[int]):
         "charts": ChartsScreen,
         "workers": WorkersScreen,
         "audit": AuditScreen,
+        "contracts": ContractsScreen,
     }
     BINDINGS = [
         Binding("o", "show('overview')", "Overview", tooltip="Queues and job types at a glance", id="overview"),
@@ -66,6 +68,7 @@ class QConsoleApp(App[int]):
         Binding("c", "show('charts')", "Charts", tooltip="Retries, attempts, leases and lag over time", id="charts"),
         Binding("w", "show('workers')", "Workers", tooltip="Workers; start and stop embedded ones", id="workers"),
         Binding("a", "show('audit')", "Audit", tooltip="Who did what, when", id="audit"),
+        Binding("t", "show('contracts')", "Types", tooltip="Each job type's contract and limits", id="contracts"),
         Binding("question_mark", "help", "Help", key_display="?", tooltip="Every key", id="help"),
         Binding("q", "quit", "Quit", tooltip="Quit (stops embedded workers)", id="quit"),
         Binding("ctrl+p", "command_palette", "Palette", id="palette"),

@@ -21,7 +21,7 @@ import psycopg
 from worker_core import db, ops, stats
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.errors import ReadOnlyError
-from worker_core.models import ActionResult, AuditEntry, DeadLetterGroup, Job, Overview, WorkerInfo
+from worker_core.models import ActionResult, AuditEntry, DeadLetterGroup, Job, Overview, TypeContract, WorkerInfo
 
 APPLICATION_NAME = "qconsole-console"
 STATEMENT_TIMEOUT_MS = 3000
@@ -47,6 +47,15 @@ class OverviewData:
     overview: Overview
     #: average queue latency per minute, per queue (seconds)
     lag: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ContractsData:
+    """Each job type's effective contract (as its workers registered it) and the concurrency limits."""
+
+    contracts: list[TypeContract] = field(default_factory=list)
+    #: job_type, queue ('*' for all), max_running, source, reason
+    limits: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ConsoleBackend(Protocol):
@@ -76,6 +85,8 @@ class ConsoleBackend(Protocol):
     def workers(self) -> list[WorkerInfo]: ...
 
     def audit_log(self, limit: int = 200) -> list[AuditEntry]: ...
+
+    def contracts(self) -> ContractsData: ...
 
     def requeue(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult: ...
 
@@ -199,6 +210,9 @@ class DatabaseBackend:
 
     def audit_log(self, limit: int = 200) -> list[AuditEntry]:
         return self._call(lambda c: stats.audit_log(c, limit))
+
+    def contracts(self) -> ContractsData:
+        return self._call(lambda c: ContractsData(stats.type_contracts(c), stats.limits(c)))
 
     # ---------------------------------------------------------------- acting (audited by worker_core.ops)
 

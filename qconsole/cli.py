@@ -421,10 +421,15 @@ def resume(queue: Annotated[str, typer.Argument()], reason: ReasonOpt = None, ds
 
 @app.command()
 def policies(
-    tasks: Annotated[str | None, typer.Option("--tasks", help="MODULE[,MODULE] whose @task types to show.")] = None,
+    tasks: Annotated[
+        str | None, typer.Option("--tasks", help="MODULE[,MODULE]: show these @task types as this process sees them.")
+    ] = None,
     as_json: JsonOpt = False,
+    dsn: DsnOpt = None,
 ) -> None:
-    """The effective contract of each job type, and where each value comes from (default, queue, type)."""
+    """The effective contract of each job type, and where each value comes from (default, queue, type).
+
+    Without --tasks: as the running workers registered it (read from the database)."""
     from worker_core import policy
     from worker_core.registry import import_task_modules, registry
 
@@ -434,7 +439,13 @@ def policies(
             import_task_modules(tasks.split(","))
     except (policy.PolicyError, ImportError) as e:
         fail(str(e), 2)
-    output.policies(deployment, list(registry), as_json)
+    queues = {q: {"values": layer.values, "reason": layer.reason} for q, layer in deployment.queues.items()}
+    if tasks:
+        output.policies([t.contract() for t in registry], as_json, deployment.source, queues)
+        return
+    with connect(dsn, read_only=True) as conn:
+        contracts = guarded(lambda: stats.type_contracts(conn))
+    output.policies(contracts, as_json, "the workers' registrations", {})
 
 
 @app.command()

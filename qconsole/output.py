@@ -16,6 +16,7 @@ from worker_core.models import (
     DeadLetterGroup,
     Job,
     Overview,
+    TypeContract,
     WorkerInfo,
     to_jsonable,
 )
@@ -171,41 +172,43 @@ def action(result: ActionResult, queue: str | None = None) -> None:
         console.print(f"  skipped {jid}: not in a state that allows {result.action}")
 
 
-def policies(deployment: Any, tasks: list[Any], as_json: bool) -> None:
-    """``deployment`` is a worker_core.policy.DeploymentPolicy, ``tasks`` registry Tasks."""
+def policies(contracts: list[TypeContract], as_json: bool, source: str, queues: dict[str, Any]) -> None:
+    """Each job type's effective contract; ``source`` names where the deployment defaults came from."""
     if as_json:
         _json(
             {
-                "source": deployment.source,
-                "defaults": deployment.defaults.values,
-                "queues": {
-                    q: {"values": layer.values, "reason": layer.reason} for q, layer in deployment.queues.items()
-                },
+                "source": source,
+                "queues": queues,
                 "types": [
                     {
-                        "job_type": t.job_type,
-                        "queue": t.queue,
-                        "reason": t.reason,
-                        "fields": {k: {"value": v, "source": s} for k, (v, s) in t.effective().items()},
+                        "job_type": c.job_type,
+                        "queue": c.queue,
+                        "reason": c.reason,
+                        "requires_idempotency_key": c.requires_idempotency_key,
+                        "concurrency": c.concurrency,
+                        "reported_by": c.reported_by,
+                        "reported_at": c.reported_at,
+                        "fields": {k: {"value": v, "source": s} for k, (v, s) in c.fields.items()},
                     }
-                    for t in tasks
+                    for c in contracts
                 ],
             }
         )
         return
-    console.print(f"policy: {deployment.source}")
-    for q, layer in deployment.queues.items():
-        console.print(f"  queue {q}: {layer.values} ({layer.reason})")
+    console.print(f"policy: {source}")
+    for q, layer in queues.items():
+        console.print(f"  queue {q}: {layer}")
     t = Table("type", "queue", "attempts", "timeout", "visibility", "backoff", "base", "max delay", "jitter",
-              "reason", box=None, pad_edge=False)  # fmt: skip
-    for task in tasks:
-        eff = task.effective()
+              "limit", "reason", box=None, pad_edge=False)  # fmt: skip
+    for c in contracts:
 
-        def cell(name: str, eff: dict[str, tuple[Any, str]] = eff) -> str:
-            value, source = eff[name]
-            return f"{value:g} ({source})" if isinstance(value, float) else f"{value} ({source})"
+        def cell(name: str, fields: dict[str, tuple[Any, str]] = c.fields) -> str:
+            value, where = fields.get(name, ("-", "?"))
+            return f"{value:g} ({where})" if isinstance(value, float) else f"{value} ({where})"
 
-        t.add_row(task.job_type, task.queue, cell("max_attempts"), cell("timeout_seconds"),
+        t.add_row(c.job_type, c.queue, cell("max_attempts"), cell("timeout_seconds"),
                   cell("visibility_timeout_seconds"), cell("backoff"), cell("base_seconds"),
-                  cell("max_delay_seconds"), cell("jitter"), task.reason or "-")  # fmt: skip
+                  cell("max_delay_seconds"), cell("jitter"), str(c.concurrency or "-"), c.reason or "-")  # fmt: skip
     console.print(t)
+    if not contracts:
+        console.print("no job type known: start a worker, or give --tasks MODULE")

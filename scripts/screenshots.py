@@ -33,6 +33,7 @@ SHOTS: dict[str, tuple[tuple[int, int], Sequence[str], bool]] = {
     "charts": (WIDE, ("c",), False),
     "workers": (WIDE, ("w",), False),
     "audit": (WIDE, ("a",), False),
+    "job-types": (WIDE, ("t", "down"), False),
     "help": (WIDE, ("question_mark",), False),
     "outage": (WIDE, (), True),
 }

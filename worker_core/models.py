@@ -273,3 +273,18 @@ class ActionResult:
     @property
     def count(self) -> int:
         return len(self.changed)
+
+
+@dataclass(frozen=True)
+class TypeContract:
+    """The effective contract of a job type: ``fields`` maps each policy field to (value, source), source
+    being ``default``, ``queue:<name>`` or ``type:<job_type>``."""
+
+    job_type: str
+    queue: str
+    fields: dict[str, tuple[Any, str]]
+    reason: str | None = None
+    requires_idempotency_key: bool = False
+    concurrency: int | None = None
+    reported_by: str | None = None
+    reported_at: dt.datetime | None = None

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from worker_core import policy
 from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, TypeDefaults
+from worker_core.models import TypeContract
 from worker_core.retry import RetryPolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -57,6 +58,16 @@ class Task:
     def effective(self) -> dict[str, tuple[Any, str]]:
         """The contract this type runs under: ``{field: (value, source)}``, source default/queue:*/type:*."""
         return policy.current().effective(self.queue, self.layer())
+
+    def contract(self) -> TypeContract:
+        return TypeContract(
+            job_type=self.job_type,
+            queue=self.queue,
+            fields=self.effective(),
+            reason=self.reason,
+            requires_idempotency_key=self.requires_idempotency_key,
+            concurrency=self.concurrency,
+        )
 
     def defaults(self) -> TypeDefaults:
         return policy.current().type_defaults(self.queue, self.layer(), self.requires_idempotency_key)

@@ -23,6 +23,7 @@ from worker_core.models import (
     JobState,
     Overview,
     QueueInfo,
+    TypeContract,
     TypeStats,
     WorkerInfo,
 )
@@ -280,3 +281,20 @@ def attempts_distribution(
 def limits(conn: Conn) -> list[dict[str, Any]]:
     """Every global concurrency limit: job_type, queue ('*' for all), max_running, source, reason."""
     return conn.execute(queries["limits_list"]).fetchall()
+
+
+def type_contracts(conn: Conn) -> list[TypeContract]:
+    """The contract of every job type as the workers that run it registered it."""
+    return [
+        TypeContract(
+            job_type=r["job_type"],
+            queue=r["queue"],
+            fields={k: (v["value"], v["source"]) for k, v in r["contract"].items()},
+            reason=r["reason"],
+            requires_idempotency_key=r["requires_idempotency_key"],
+            concurrency=r["concurrency"],
+            reported_by=r["reported_by"],
+            reported_at=r["reported_at"],
+        )
+        for r in conn.execute(queries["contracts_list"])
+    ]

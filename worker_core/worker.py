@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import os
 import queue as queue_mod
 import random
@@ -187,6 +188,7 @@ class Worker:
         )
         for i in range(self.config.concurrency):
             self._spawn(self._slot_main, f"slot-{i}", i)
+        self._publish_contracts()
         self._heartbeat_once()  # before the heartbeat thread: they share its connection
         self._spawn(self._heartbeat_main, "heartbeat")
         self._spawn(self.completer.run, "completer")
@@ -314,6 +316,28 @@ class Worker:
         """Re-read paused queues and concurrency limits now. Workers do it on every heartbeat and as soon as
         an operator action notifies ``worker_core_control``."""
         self._refresh_claim_filters(self._conn_for_claims())
+
+    def _publish_contracts(self) -> None:
+        """Record the effective contract of each type this worker runs, for the console and CLI."""
+        rows = [
+            {
+                "job_type": c.job_type,
+                "queue": c.queue,
+                "contract": {k: {"value": v, "source": s} for k, (v, s) in c.fields.items()},
+                "reason": c.reason,
+                "requires_idempotency_key": c.requires_idempotency_key,
+                "concurrency": c.concurrency,
+            }
+            for c in (t.contract() for t in self.registry)
+        ]
+        try:
+            conn = self._heartbeat_conn()
+            with conn.transaction():
+                conn.execute(
+                    queries["contract_upsert"], {"rows": json.dumps(rows), "worker": self.id, "now": self.clock.now()}
+                )
+        except psycopg.Error as e:
+            self.log.warning("could not publish the job type contracts: %s", db.redact(str(e).strip(), self.dsn))
 
     def _refresh_claim_filters(self, conn: db.Conn) -> None:
         """Paused queues and concurrency limits, as the claims' parameters."""

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from qconsole.app import QConsoleApp, make_app
-from qconsole.backend import ChartData, OverviewData
+from qconsole.backend import ChartData, ContractsData, OverviewData
 from qconsole.embedded_workers import EmbeddedWorker
 from worker_core.clock import FixedClock
 from worker_core.errors import NotFound, ReadOnlyError
@@ -25,6 +25,7 @@ from worker_core.models import (
     JobState,
     Overview,
     QueueInfo,
+    TypeContract,
     TypeStats,
     WorkerInfo,
 )
@@ -239,6 +240,38 @@ class FakeBackend:
             AuditEntry(1, ago(86000), "bob", None, "kill", None, [jid(3)], None,
                        {"cancelled": 1, "signalled_running": 0, "requested": 1}),
         ][:limit]  # fmt: skip
+
+    def contracts(self) -> ContractsData:
+        self._read("contracts")
+
+        def fields(**over: Any) -> dict[str, tuple[Any, str]]:
+            base: dict[str, tuple[Any, str]] = {
+                "max_attempts": (5, "default"), "timeout_seconds": (60.0, "default"),
+                "visibility_timeout_seconds": (90.0, "default"), "backoff": ("exponential", "default"),
+                "base_seconds": (2.0, "default"), "max_delay_seconds": (600.0, "default"), "jitter": (0.2, "default"),
+            }  # fmt: skip
+            base.update(over)
+            return base
+
+        return ContractsData(
+            contracts=[
+                TypeContract("email.send", "default", fields(max_attempts=(8, "queue:default")), None, True, None,
+                             "web-1:4242:w0.1", ago(30)),
+                TypeContract("image.resize", "media", fields(max_attempts=(2, "type:image.resize"),
+                             timeout_seconds=(4.0, "type:image.resize"), visibility_timeout_seconds=(10.0,
+                             "type:image.resize")), "a poison payload must reach dead letters after two crashes",
+                             False, None, "web-1:4242:w0.1", ago(30)),
+                TypeContract("invoice.generate", "default", fields(timeout_seconds=(10.0, "type:invoice.generate"),
+                             visibility_timeout_seconds=(40.0, "type:invoice.generate")), "invoices are quick", True,
+                             2, "web-2:777:w1.1", ago(45)),
+                TypeContract("report.build", "default", fields(), None, False, None, "web-2:777:w1.1", ago(45)),
+            ],
+            limits=[
+                {"job_type": "invoice.generate", "queue": "*", "max_running": 2, "source": "task", "reason": None},
+                {"job_type": "email.send", "queue": "default", "max_running": 10, "source": "operator",
+                 "reason": "smtp relay rate limit"},
+            ],
+        )  # fmt: skip
 
     def _act(self, name: str, ids: Sequence[uuid.UUID]) -> ActionResult:
         self.calls.append((name, list(ids)))

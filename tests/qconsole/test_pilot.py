@@ -19,7 +19,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 from textual.pilot import Pilot
 
-import tests.worker_core.tasks  # noqa: F401  (registers the test types, so enqueue applies their defaults)
+import tests.worker_core.tasks
 from qconsole.app import QConsoleApp, make_app
 from qconsole.backend import DatabaseBackend
 from qconsole.embedded_workers import EmbeddedWorkers
@@ -362,3 +362,35 @@ def test_start_and_stop_an_embedded_worker_that_crashes_and_restarts(
     run_async(scenario())
     launcher.stop_all(timeout=5)
     assert all(not e.running for e in launcher.workers())
+
+
+def test_job_types_screen_shows_what_the_workers_registered(dsn: str) -> None:
+    from qconsole.screens.contracts import ContractsScreen
+    from qconsole.screens.jobs import JobsScreen
+    from qconsole.widgets.table import LiveTable
+
+    Worker(WorkerConfig(dsn=dsn, task_modules=(TASKS,), burst=True, poll_interval=0.05)).run()  # registers, exits
+    with db.connect(dsn, autocommit=True) as conn:
+        ops.set_limit(conn, "t.crash", 1, reason="one crash at a time", actor=ops.Actor("tester"))
+
+    async def scenario() -> None:
+        app = console(dsn)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("t")
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, ContractsScreen)
+            crash = next(c for c in screen.data.contracts if c.job_type == "t.crash")
+            assert crash.fields["max_attempts"] == (2, "type:t.crash")
+            assert crash.reason == "tests need fast, bounded retries"
+            table = screen.query_one(LiveTable)
+            assert table.row_count == len(tests.worker_core.tasks.worker_core.registry.job_types())
+            while table.cursor_key != "t.crash":
+                await pilot.press("down")
+            assert "1" in str(table.get_row("t.crash")[-1])  # its limit
+            await pilot.press("enter")  # drill into its jobs
+            await settle(pilot)
+            assert isinstance(app.screen, JobsScreen)
+
+    run_async(scenario())

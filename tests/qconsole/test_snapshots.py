@@ -129,3 +129,8 @@ def test_outage_banner(snap_compare: Any, size: tuple[int, int]) -> None:
 def test_read_only_refusal(snap_compare: Any, size: tuple[int, int]) -> None:
     app = fake_app(FakeBackend(read_only=True))
     assert snap_compare(app, terminal_size=size, run_before=keys("d", "r"))
+
+
+@sized
+def test_job_type_contracts(snap_compare: Any, size: tuple[int, int]) -> None:
+    assert snap_compare(fake_app(), terminal_size=size, run_before=keys("t", "down", "down"))

@@ -96,3 +96,17 @@ def test_qconsole_policies_lists_the_contract_of_each_type(dsn: str) -> None:
     assert ledger["reason"] == "tests need fast, bounded retries"
     text = CliRunner().invoke(app, ["policies", "--tasks", "tests.worker_core.tasks"]).stdout
     assert "t.ledger" in text and "type:t.ledger" in text
+
+
+def test_workers_publish_the_contracts_they_run(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.worker_core.helpers import run_burst
+
+    run_burst(dsn)  # registers tests.worker_core.tasks
+    monkeypatch.setenv("QCONSOLE_DSN", dsn)
+    result = CliRunner().invoke(app, ["policies", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["job_type"]: r for r in json.loads(result.stdout)["types"]}
+    assert rows["t.crash"]["fields"]["max_attempts"] == {"value": 2, "source": "type:t.crash"}
+    assert rows["t.ok"]["fields"]["timeout_seconds"] == {"value": 60.0, "source": "default"}
+    assert rows["t.ledger"]["requires_idempotency_key"] is True
+    assert rows["t.ok"]["reported_by"]

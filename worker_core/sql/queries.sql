@@ -598,3 +598,21 @@ FROM pg_stat_user_tables WHERE relid = 'job_queue'::regclass;
 
 -- name: analyze_job_queue
 ANALYZE job_queue;
+
+------------------------------------------------------------------------------------------------------
+-- Job type contracts (policy registry as the fleet runs it)
+------------------------------------------------------------------------------------------------------
+
+-- name: contract_upsert
+INSERT INTO job_type_contracts (job_type, queue, contract, reason, requires_idempotency_key, concurrency,
+                                reported_by, reported_at)
+SELECT job_type, queue, contract, reason, requires_idempotency_key, concurrency, %(worker)s, %(now)s
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(job_type text, queue text, contract jsonb, reason text,
+                                                requires_idempotency_key boolean, concurrency int)
+ON CONFLICT (job_type) DO UPDATE SET queue = EXCLUDED.queue, contract = EXCLUDED.contract,
+    reason = EXCLUDED.reason, requires_idempotency_key = EXCLUDED.requires_idempotency_key,
+    concurrency = EXCLUDED.concurrency, reported_by = EXCLUDED.reported_by, reported_at = EXCLUDED.reported_at;
+
+-- name: contracts_list
+SELECT job_type, queue, contract, reason, requires_idempotency_key, concurrency, reported_by, reported_at
+FROM job_type_contracts ORDER BY job_type;
