@@ -7,7 +7,8 @@ planner still believes there is nothing waiting: that is the "stale statistics" 
 server sees while a backlog builds. Then ANALYZE, and the same measurements with fresh statistics.
 
 Claim latency (6): ``p50/p99`` of the claim statement (queries.sql "claim", limit 1, client round trip,
-each claim committed), and of ``Worker.claim(1)`` (BEGIN + statement + COMMIT, what the worker pays).
+each claim committed), of ``Worker.claim(1)`` (BEGIN + statement + COMMIT, what the worker pays), and of
+the claim statement with the batch a worker really asks for at the bench's ``--concurrency``.
 
 Console cost (7): the functions the console calls on a refresh (``stats.overview`` + ``stats.latency_series``
 for the overview screen, ``stats.list_jobs(limit=200)`` for the jobs screen, ``stats.dead_letter_groups``
@@ -117,31 +118,48 @@ def build(dsn: str, finished: int, dead: int, waiting: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------- claim latency
 
 
-def claim_latency(dsn: str, count: int) -> dict[str, Any]:
+def _claim_statements(conn: Any, worker: Any, limit: int, count: int) -> tuple[list[float], str]:
+    """``count`` claims of ``limit`` jobs by the claim statement alone, each committed; and its plan."""
+    from worker_core.sql import queries
+
+    times: list[float] = []
+    for _ in range(count):
+        params = worker._claim_params(limit)
+        t0 = time.perf_counter()
+        rows = conn.execute(queries["claim"], params).fetchall()
+        times.append((time.perf_counter() - t0) * 1000)
+        conn.commit()
+        if not rows:
+            raise RuntimeError("the claim found nothing ready")
+    plan = "\n".join(
+        r["QUERY PLAN"]
+        for r in conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + queries["claim"], worker._claim_params(limit)).fetchall()
+    )
+    conn.rollback()
+    return times, plan
+
+
+def _sorts_backlog(plan: str) -> bool:
+    """The plan reads every ready job and sorts them, instead of walking the ready index in order."""
+    return "Sort Key: job_queue.priority" in plan
+
+
+def claim_latency(dsn: str, count: int, concurrency: int) -> dict[str, Any]:
+    """One job per claim (the target figure), ``Worker.claim(1)``, and claims of the batch the worker really
+    asks for at ``--concurrency`` (its ``batch_size``: slots plus prefetch)."""
     import bench.peers.qconsole_tasks  # noqa: F401
     from worker_core import db
-    from worker_core.sql import queries
     from worker_core.worker import Worker, WorkerConfig
 
     worker = Worker(WorkerConfig(dsn=dsn, concurrency=1))
-    stmt: list[float] = []
+    batch = Worker(WorkerConfig(dsn=dsn, concurrency=concurrency)).batch_size
     with db.connect(dsn, application_name="qcbench-claim") as conn:
-        for _ in range(count):
-            params = worker._claim_params(1)
-            t0 = time.perf_counter()
-            rows = conn.execute(queries["claim"], params).fetchall()
-            stmt.append((time.perf_counter() - t0) * 1000)
-            conn.commit()
-            if not rows:
-                raise RuntimeError("the claim found nothing ready")
-        plan = "\n".join(
-            r["QUERY PLAN"]
-            for r in conn.execute(
-                "EXPLAIN (ANALYZE, BUFFERS) " + queries["claim"],  # type: ignore[operator]
-                worker._claim_params(1),
-            ).fetchall()
-        )
-        conn.rollback()
+        stmt, plan = _claim_statements(conn, worker, 1, count)
+        # the batch claims take 10,000 / batch / 2 rounds at most, leaving half the backlog
+        with conn.transaction():
+            ready = conn.execute("SELECT count(*) AS n FROM job_queue WHERE state = 'queued'").fetchone()["n"]  # type: ignore[index]
+        batch_count = max(5, min(count, ready // batch // 2))
+        batch_times, batch_plan = _claim_statements(conn, worker, batch, batch_count)
     full: list[float] = []
     try:
         for _ in range(count):
@@ -159,8 +177,14 @@ def claim_latency(dsn: str, count: int) -> dict[str, Any]:
         "statement_p99_ms": percentile(stmt, 99),
         "worker_claim_p50_ms": percentile(full, 50),
         "worker_claim_p99_ms": percentile(full, 99),
+        "batch": batch,
+        "batch_claims": batch_count,
+        "batch_p50_ms": percentile(batch_times, 50),
+        "batch_p99_ms": percentile(batch_times, 99),
         "plan": plan,
-        "plan_sorts_backlog": "Sort" in plan and "Bitmap Heap Scan" in plan,
+        "batch_plan": batch_plan,
+        "plan_sorts_backlog": _sorts_backlog(plan),
+        "batch_plan_sorts_backlog": _sorts_backlog(batch_plan),
     }
 
 
@@ -308,7 +332,13 @@ def console_cost(dsn: str, explain_dir: Path | None, label: str, reps: int = 5) 
 
 
 def run(
-    server: Server, finished: int, dead: int, waiting: int, claims: tuple[int, int], explain_dir: Path
+    server: Server,
+    finished: int,
+    dead: int,
+    waiting: int,
+    claims: tuple[int, int],
+    explain_dir: Path,
+    concurrency: int = 32,
 ) -> dict[str, Any]:
     """Build, then: console and claims on stale statistics, ANALYZE, console and claims again.
 
@@ -321,23 +351,28 @@ def run(
     res["build"] = build(dsn, finished, dead, waiting)
     log(f"  built in {res['build']['insert_s']:.0f}s + VACUUM ANALYZE {res['build']['vacuum_analyze_s']:.0f}s")
     res["console_stale"] = console_cost(dsn, explain_dir, "stale")
-    res["claim_stale"] = claim_latency(dsn, claims[0])
+    res["claim_stale"] = claim_latency(dsn, claims[0], concurrency)
     log(
         f"  claim (stale statistics): statement p50 {res['claim_stale']['statement_p50_ms']:.2f} ms "
         f"p99 {res['claim_stale']['statement_p99_ms']:.2f} ms; Worker.claim p50 "
-        f"{res['claim_stale']['worker_claim_p50_ms']:.2f} ms"
+        f"{res['claim_stale']['worker_claim_p50_ms']:.2f} ms; batch of {res['claim_stale']['batch']} p50 "
+        f"{res['claim_stale']['batch_p50_ms']:.2f} ms"
     )
     restore(dsn)
     analyze(dsn)
     res["console_fresh"] = console_cost(dsn, explain_dir, "fresh")
-    res["claim_fresh"] = claim_latency(dsn, claims[1])
+    res["claim_fresh"] = claim_latency(dsn, claims[1], concurrency)
     log(
         f"  claim (fresh statistics): statement p50 {res['claim_fresh']['statement_p50_ms']:.2f} ms "
         f"p99 {res['claim_fresh']['statement_p99_ms']:.2f} ms; Worker.claim p50 "
-        f"{res['claim_fresh']['worker_claim_p50_ms']:.2f} ms"
+        f"{res['claim_fresh']['worker_claim_p50_ms']:.2f} ms; batch of {res['claim_fresh']['batch']} p50 "
+        f"{res['claim_fresh']['batch_p50_ms']:.2f} ms"
     )
     restore(dsn)
     for phase in ("claim_stale", "claim_fresh"):
-        (explain_dir / f"claim-{phase.split('_')[1]}.txt").write_text(res[phase].pop("plan") + "\n")
+        state = phase.split("_")[1]
+        (explain_dir / f"claim-{state}-limit1.txt").write_text(res[phase].pop("plan") + "\n")
+        batch = res[phase]["batch"]
+        (explain_dir / f"claim-{state}-limit{batch}.txt").write_text(res[phase].pop("batch_plan") + "\n")
     res["dsn"] = dsn
     return res

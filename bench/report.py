@@ -146,13 +146,22 @@ def build(res: dict[str, Any]) -> tuple[list[tuple[str, list[Row]]], list[dict[s
             c = big[phase]
             rows.append(
                 (
-                    f"claim statement, {label}",
+                    f"claim statement, limit 1, {label}",
                     f"p50 {_ms(c['statement_p50_ms'])} / p99 {_ms(c['statement_p99_ms'])}",
                     f"Worker.claim (BEGIN+claim+COMMIT) p50 {_ms(c['worker_claim_p50_ms'])} / p99 "
                     f"{_ms(c['worker_claim_p99_ms'])}"
-                    + ("; plan sorts the whole backlog" if c.get("plan_sorts_backlog") else ""),
+                    + ("; the plan sorts the whole backlog" if c.get("plan_sorts_backlog") else ""),
                 )
             )
+            if "batch_p50_ms" in c:
+                rows.append(
+                    (
+                        f"claim statement, limit {c['batch']} (the worker's batch), {label}",
+                        f"p50 {_ms(c['batch_p50_ms'])} / p99 {_ms(c['batch_p99_ms'])}",
+                        f"{c['batch_claims']} claims"
+                        + ("; the plan sorts the whole backlog" if c.get("batch_plan_sorts_backlog") else ""),
+                    )
+                )
         sections.append(
             (
                 f"Claim latency, {n:,} finished rows + {big['waiting']:,} ready "

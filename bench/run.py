@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                     waiting=10_000,
                     claims=(300, 1000) if not args.quick else (100, 300),
                     explain_dir=explain_dir,
+                    concurrency=args.qc_concurrency,
                 )
                 dsn = big.pop("dsn")
                 if "console" in args.only:
