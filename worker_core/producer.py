@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -14,23 +15,79 @@ from psycopg.pq import TransactionStatus
 from worker_core import policy
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
-from worker_core.envelope import DEFAULT_QUEUE, Envelope, build_envelope
+from worker_core.envelope import DEFAULT_QUEUE, Envelope, TypeDefaults, build_envelope
 from worker_core.models import EnqueueResult
 from worker_core.registry import Registry
 from worker_core.registry import registry as default_registry
+from worker_core.retry import RetryPolicy
 from worker_core.sql import queries
 
 
-def prepare(job_type: Any, payload: Any, envelope: Mapping[str, Any], registry: Registry | None = None) -> Envelope:
+def prepare(
+    job_type: Any,
+    payload: Any,
+    envelope: Mapping[str, Any],
+    registry: Registry | None = None,
+    registered: Mapping[str, TypeDefaults] | None = None,
+) -> Envelope:
     """Validate one message with the defaults of its type: the local registry's @task if the producer
-    imported it, else the deployment's policy for the queue (worker_core.policy)."""
+    imported it, else the contract the workers registered for the type (``registered``), else the
+    deployment's policy for the queue (worker_core.policy)."""
     task = (registry or default_registry).get(job_type) if isinstance(job_type, str) else None
     if task is not None:
         defaults = task.defaults()
+    elif registered and isinstance(job_type, str) and job_type in registered:
+        defaults = registered[job_type]
     else:
         queue = envelope.get("queue", DEFAULT_QUEUE)
         defaults = policy.current().type_defaults(queue if isinstance(queue, str) else DEFAULT_QUEUE)
     return build_envelope(job_type, payload, envelope, defaults)
+
+
+#: job_type -> (monotonic expiry, the registered defaults or None): one look-up per type and minute
+_registered_cache: dict[tuple[str, str], tuple[float, TypeDefaults | None]] = {}
+REGISTERED_TTL_SECONDS = 60.0
+
+
+def registered_defaults(
+    conn: Conn, job_types: Iterable[str], registry: Registry | None = None
+) -> dict[str, TypeDefaults]:
+    """The defaults the workers registered (job_type_contracts) for the types this process has no @task for,
+    so a producer that never imports the handlers still enqueues under the handlers' contract."""
+    local = registry or default_registry
+    now = time.monotonic()
+    database = f"{conn.info.host}:{conn.info.port}/{conn.info.dbname}"
+    wanted = {t for t in job_types if isinstance(t, str) and t not in local}
+    missing = [t for t in wanted if _registered_cache.get((database, t), (0.0, None))[0] < now]
+    if missing:
+        found = {r["job_type"]: r for r in conn.execute(queries["contracts_for_types"], {"job_types": missing})}
+        for t in missing:
+            row = found.get(t)
+            _registered_cache[(database, t)] = (
+                now + REGISTERED_TTL_SECONDS,
+                _defaults_from_contract(row) if row else None,
+            )
+    out = {}
+    for t in wanted:
+        d = _registered_cache.get((database, t), (0.0, None))[1]
+        if d is not None:
+            out[t] = d
+    return out
+
+
+def _defaults_from_contract(row: Mapping[str, Any]) -> TypeDefaults:
+    c = {k: v["value"] for k, v in row["contract"].items()}
+    return TypeDefaults(
+        queue=row["queue"],
+        max_attempts=int(c["max_attempts"]),
+        timeout_seconds=float(c["timeout_seconds"]),
+        visibility_timeout_seconds=float(c["visibility_timeout_seconds"]),
+        retry_policy=RetryPolicy(
+            backoff=c["backoff"], base_seconds=c["base_seconds"], max_delay_seconds=c["max_delay_seconds"],
+            jitter=c["jitter"],
+        ),
+        requires_idempotency_key=bool(row["requires_idempotency_key"]),
+    )  # fmt: skip
 
 
 def _in_callers_transaction(conn: Conn) -> contextlib.AbstractContextManager[Any]:
@@ -85,7 +142,13 @@ def enqueue(
     Returns the new job's id, or ``created=False`` with the id of the live job that already holds the
     same ``dedup_key``. Raises EnvelopeError (nothing written) when the envelope breaks the contract.
     """
-    env = prepare(job_type, {} if payload is None else payload, envelope, registry)
+    env = prepare(
+        job_type,
+        {} if payload is None else payload,
+        envelope,
+        registry,
+        registered_defaults(conn, [job_type], registry),
+    )
     now = clock.now()
     params = {**_params(env, now), "now": now}
     with _in_callers_transaction(conn):
@@ -114,13 +177,15 @@ def enqueue_many(
     validated before anything is written; results come back in input order. A job whose dedup key is
     held by a live job (or by an earlier job of the same batch) is reported with that job's id.
     """
+    items = list(jobs)
+    registered = registered_defaults(conn, {item[0] for item in items}, registry)
     envs: list[Envelope] = []
     problems: list[str] = []
-    for i, item in enumerate(jobs):
+    for i, item in enumerate(items):
         job_type, payload = item[0], item[1]
         fields: Mapping[str, Any] = item[2] if len(item) > 2 else {}
         try:
-            envs.append(prepare(job_type, payload, fields, registry))
+            envs.append(prepare(job_type, payload, fields, registry, registered))
         except ValueError as e:
             problems.append(f"job {i}: {e}")
     if problems:

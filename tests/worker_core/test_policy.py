@@ -110,3 +110,18 @@ def test_workers_publish_the_contracts_they_run(dsn: str, monkeypatch: pytest.Mo
     assert rows["t.ok"]["fields"]["timeout_seconds"] == {"value": 60.0, "source": "default"}
     assert rows["t.ledger"]["requires_idempotency_key"] is True
     assert rows["t.ok"]["reported_by"]
+
+
+def test_a_producer_without_the_handlers_enqueues_under_the_registered_contract(dsn: str, conn: db.Conn) -> None:
+    from tests.worker_core.helpers import run_burst
+
+    before = enqueue(conn, "t.crash", {}, registry=Registry()).id  # nothing registered yet: deployment defaults
+    conn.execute("UPDATE job_queue SET state = 'cancelled' WHERE id = %s", (before,))
+    run_burst(dsn)  # a worker registers the contracts of tests.worker_core.tasks
+    from worker_core import producer
+
+    producer._registered_cache.clear()  # the cache would otherwise keep "nothing registered" for a minute
+    after = enqueue(conn, "t.crash", {}, registry=Registry()).id
+    rows = {r["id"]: r for r in conn.execute("SELECT id, max_attempts, timeout_seconds FROM job_queue")}
+    assert (rows[before]["max_attempts"], rows[before]["timeout_seconds"]) == (5, 60.0)
+    assert (rows[after]["max_attempts"], rows[after]["timeout_seconds"]) == (2, 2.0)

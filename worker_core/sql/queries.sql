@@ -616,3 +616,6 @@ ON CONFLICT (job_type) DO UPDATE SET queue = EXCLUDED.queue, contract = EXCLUDED
 -- name: contracts_list
 SELECT job_type, queue, contract, reason, requires_idempotency_key, concurrency, reported_by, reported_at
 FROM job_type_contracts ORDER BY job_type;
+
+-- name: contracts_for_types
+SELECT job_type, queue, contract, requires_idempotency_key FROM job_type_contracts WHERE job_type = ANY(%(job_types)s);
