@@ -15,7 +15,7 @@ from psycopg.pq import TransactionStatus
 from worker_core import policy
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
-from worker_core.envelope import DEFAULT_QUEUE, Envelope, TypeDefaults, build_envelope
+from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, Envelope, TypeDefaults, build_envelope
 from worker_core.models import EnqueueResult
 from worker_core.registry import Registry
 from worker_core.registry import registry as default_registry
@@ -57,7 +57,8 @@ def registered_defaults(
     local = registry or default_registry
     now = time.monotonic()
     database = f"{conn.info.host}:{conn.info.port}/{conn.info.dbname}"
-    wanted = {t for t in job_types if isinstance(t, str) and t not in local}
+    # only well-formed types are looked up: a malformed one is refused by the validation that follows
+    wanted = {t for t in job_types if isinstance(t, str) and JOB_TYPE_RE.match(t) and t not in local}
     missing = [t for t in wanted if _registered_cache.get((database, t), (0.0, None))[0] < now]
     if missing:
         found = {r["job_type"]: r for r in conn.execute(queries["contracts_for_types"], {"job_types": missing})}

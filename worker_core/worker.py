@@ -56,7 +56,7 @@ class WorkerConfig:
     queues: tuple[str, ...] | None = None
     concurrency: int = 4
     batch_size: int | None = None
-    #: jobs claimed ahead of the free slots, so a slot never waits for a claim's round trip (None: as many as
+    #: jobs claimed ahead of the free slots, so a slot never waits for a claim's round trip (None: twice
     #: ``concurrency``; 0: claim only for idle slots). Their leases are extended by heartbeats like the rest.
     prefetch: int | None = None
     poll_interval: float = 1.0
@@ -122,7 +122,7 @@ class Worker:
         self.locks: LockBackend = lock_backend(config.lock_backend, clock)
         self.metrics = MetricsBuffer(clock)
         self.completer = Completer(self)
-        self.prefetch = config.concurrency if config.prefetch is None else max(0, config.prefetch)
+        self.prefetch = 2 * config.concurrency if config.prefetch is None else max(0, config.prefetch)
         self.capacity = config.concurrency + self.prefetch
         self.batch_size = config.batch_size or self.capacity
         self._stopping = threading.Event()
@@ -634,6 +634,43 @@ class Completer:
                     ex.ctx.logger.warning("job no longer held by this worker: not settled")
 
 
+class Call:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class Runner:
+    """A thread that runs one handler call at a time for a slot: no thread to create per job. A handler
+    that never returns keeps its runner; the slot abandons it and starts another."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue_mod.SimpleQueue[Call | None] = queue_mod.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Any) -> Call:
+        call = Call(fn)
+        self._calls.put(call)
+        return call
+
+    def abandon(self) -> None:
+        self._calls.put(None)  # it exits after the stuck call, if that ever returns
+
+    def _main(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            try:
+                call.fn()
+            except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError... all belong to the job
+                call.error = e
+            finally:
+                call.done.set()
+
+
 class Slot:
     """One unit of concurrency: a connection (and, lazily, an event loop and async connection)."""
 
@@ -641,6 +678,7 @@ class Slot:
         self.w = worker
         self.index = index
         self._conn: db.Conn | None = None
+        self._runner: Runner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aconn: db.AsyncConn | None = None
 
@@ -666,6 +704,8 @@ class Slot:
         self._loop = None
 
     def close(self) -> None:
+        if self._runner is not None:
+            self._runner.abandon()
         self.reset()
 
     def _rollback(self) -> None:
@@ -787,35 +827,27 @@ class Slot:
         self._succeeded(ex, idempotency_hit=False)
 
     def _call_sync(self, ex: Execution, task: Task) -> None:
+        """Run the handler on the slot's runner thread, watching its timeout and cancellation from here."""
         ctx, job = ex.ctx, ex.job
-        outcome: dict[str, BaseException] = {}
-
-        def target() -> None:
-            try:
-                task.fn(ctx, job["payload"])
-            except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError... all belong to the job
-                outcome["error"] = e
-
-        t = threading.Thread(target=target, name=f"job-{job['id']}", daemon=True)
-        t.start()
+        if self._runner is None:
+            self._runner = Runner(f"slot-{self.index}-runner")
+        call = self._runner.submit(lambda: task.fn(ctx, job["payload"]))
         deadline = time.monotonic() + job["timeout_seconds"]
-        while True:
-            t.join(min(0.05, max(0.0, deadline - time.monotonic())))
-            if not t.is_alive():
-                break
+        while not call.done.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 ctx.cancel("timeout")
             if ctx.cancelled:
-                t.join(self.w.config.cancel_grace)
-                if t.is_alive():
-                    # the handler ignores ctx.cancelled: abandon it, and take its connection away so that
-                    # nothing it still writes can ever commit
+                if not call.done.wait(self.w.config.cancel_grace):
+                    # the handler ignores ctx.cancelled: abandon it with its runner thread, and take its
+                    # connection away so that nothing it still writes can ever commit
                     self.w.zombies += 1
                     ctx.logger.error("handler did not stop after %s; abandoned", ctx.cancel_reason)
+                    self._runner.abandon()
+                    self._runner = None
                     self.reset()
                 break
-        if "error" in outcome:
-            raise HandlerFailure(outcome["error"])
+        if call.error is not None:
+            raise HandlerFailure(call.error)
         if ctx.cancelled:
             raise HandlerFailure(self._cancel_exc(ex))
 

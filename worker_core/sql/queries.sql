@@ -56,6 +56,7 @@ WHERE dedup_key = ANY(%(keys)s) AND state IN ('queued', 'running', 'retry_schedu
 ------------------------------------------------------------------------------------------------------
 
 -- name: claim
+-- (the claims return what a worker needs, not the errors history, which can be long)
 WITH ready AS MATERIALIZED (
     SELECT id FROM job_queue
     WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s AND NOT suspect
@@ -78,7 +79,10 @@ UPDATE job_queue j SET
     updated_at = %(now)s
 FROM ready r
 WHERE j.id = r.id
-RETURNING j.*, false AS reclaimed;
+RETURNING j.id, j.job_type, j.queue, j.payload, j.state, j.priority, j.attempts, j.max_attempts, j.scheduled_at,
+        j.locked_by, j.locked_until, j.idempotency_key, j.dedup_key, j.lock_key, j.timeout_seconds,
+        j.visibility_timeout_seconds, j.retry_policy, j.tenant_id, j.trace_id, j.lease_expirations, j.suspect,
+        j.ran_solo, j.cancel_requested, j.started_at, false AS reclaimed;
 
 -- name: claim_solo
 WITH expired AS MATERIALIZED (
@@ -140,7 +144,10 @@ UPDATE job_queue j SET
     updated_at = %(now)s
 FROM decided d
 WHERE j.id = d.id
-RETURNING j.*, d.expired AS reclaimed;
+RETURNING j.id, j.job_type, j.queue, j.payload, j.state, j.priority, j.attempts, j.max_attempts, j.scheduled_at,
+        j.locked_by, j.locked_until, j.idempotency_key, j.dedup_key, j.lock_key, j.timeout_seconds,
+        j.visibility_timeout_seconds, j.retry_policy, j.tenant_id, j.trace_id, j.lease_expirations, j.suspect,
+        j.ran_solo, j.cancel_requested, j.started_at, d.expired AS reclaimed;
 
 -- name: claim_limited
 -- One limited (job type, queue scope) at a time, serialized by an advisory lock on it: count what runs,
@@ -172,7 +179,10 @@ UPDATE job_queue j SET
     updated_at = %(now)s
 FROM ready r
 WHERE j.id = r.id
-RETURNING j.*, false AS reclaimed;
+RETURNING j.id, j.job_type, j.queue, j.payload, j.state, j.priority, j.attempts, j.max_attempts, j.scheduled_at,
+        j.locked_by, j.locked_until, j.idempotency_key, j.dedup_key, j.lock_key, j.timeout_seconds,
+        j.visibility_timeout_seconds, j.retry_policy, j.tenant_id, j.trace_id, j.lease_expirations, j.suspect,
+        j.ran_solo, j.cancel_requested, j.started_at, false AS reclaimed;
 
 -- name: limit_lock
 SELECT pg_advisory_xact_lock(hashtext('qconsole-limit:' || %(job_type)s || ':' || %(scope)s));
