@@ -47,3 +47,23 @@ def limited(ctx: JobContext, payload: dict[str, Any]) -> None:
         "INSERT INTO intervals (job_id, started, ended) VALUES (%s, to_timestamp(%s), to_timestamp(%s))",
         (ctx.job_id, start, time.time()),
     )
+
+
+@worker_core.task("t.async_sleep", retry=FAST, timeout=30, reason="tests need fast, bounded retries")
+async def async_sleep(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Marks that it started, writes through ctx.tx, sleeps; a kill cancels it and its write rolls back.
+    Each mark is committed on a side connection, so the test can see it."""
+    import asyncio
+
+    def mark() -> None:
+        with db.connect(ctx.dsn or "", autocommit=True) as c:
+            c.execute("INSERT INTO refills DEFAULT VALUES")
+
+    mark()
+    await ctx.tx.execute("INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
+                         (ctx.job_id, "async-before-kill", ctx.attempt))  # fmt: skip
+    try:
+        await asyncio.sleep(payload.get("seconds", 20))
+    except asyncio.CancelledError:
+        mark()  # the cancellation reached the handler
+        raise

@@ -64,3 +64,19 @@ def test_concurrent_jobs_updating_one_entity_lose_no_update(dsn: str, conn: db.C
     retried = scalar(dsn, "SELECT coalesce(sum(retried), 0) FROM job_metrics_minute WHERE job_type = 't.deposit'")
     assert retried >= 1, "four concurrent read-modify-writes must have collided at least once"
     assert worker.claimed_total >= 5
+
+
+def test_a_kill_cancels_a_running_async_handler_and_rolls_back_its_writes(dsn: str, conn: db.Conn) -> None:
+    from tests.worker_core.helpers import running_worker, state, wait_for
+    from worker_core import ops
+
+    conn.execute("CREATE TABLE refills (id serial PRIMARY KEY)")
+    jid = enqueue(conn, "t.async_sleep", {"seconds": 30}).id
+    with running_worker(dsn, task_modules=TASKS, heartbeat_interval=0.2):
+        wait_for(lambda: state(dsn, jid) == "running", timeout=10)
+        wait_for(lambda: scalar(dsn, "SELECT count(*) FROM refills") == 1, timeout=10, what="the handler to start")
+        ops.kill(conn, [jid], actor=ops.Actor("tester"))
+        wait_for(lambda: state(dsn, jid) == "cancelled", timeout=10, what="the kill to reach the async handler")
+    assert scalar(dsn, "SELECT count(*) FROM refills") == 2  # CancelledError was raised inside the handler
+    assert ledger(dsn) == []  # its write rolled back
+    assert scalar(dsn, "SELECT attempts FROM job_queue WHERE id = %s", (jid,)) == 1  # never retried
