@@ -24,8 +24,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check worker_core qconsole tests bench
 	$(BIN)/mypy
 
-bench: $(STAMP)
-	$(BIN)/python bench/run.py
+bench:
+	bash bench/run.sh $(BENCH_ARGS)
 
 screenshots: $(STAMP)
 	$(BIN)/python scripts/screenshots.py
