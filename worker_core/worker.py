@@ -570,6 +570,7 @@ class Completer:
         self._pending: list[Execution] = []
         self._cond = threading.Condition()
         self._stop = False
+        self._exited = threading.Event()
         self._conn: db.Conn | None = None
         self.flushed = 0
 
@@ -579,13 +580,12 @@ class Completer:
             if len(self._pending) >= self.MAX_BATCH:
                 self._cond.notify()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Flush what is pending, then end (a job not settled by then runs again after its lease)."""
         with self._cond:
             self._stop = True
             self._cond.notify()
-        deadline = time.monotonic() + 10
-        while self._pending and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self._exited.wait(timeout)
 
     def pending(self) -> int:
         return len(self._pending)
@@ -597,6 +597,7 @@ class Completer:
                 if not self._pending and self._stop:
                     if self._conn is not None:
                         self._conn.close()
+                    self._exited.set()
                     return
                 self._cond.wait(self.FLUSH_SECONDS)
                 batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
