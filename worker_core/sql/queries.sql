@@ -259,7 +259,9 @@ UPDATE job_queue j SET
     state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, cancel_requested = false,
     suspect = false
 FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
-WHERE j.id = d.id AND j.state = 'running' AND j.attempts = d.attempt AND j.locked_by = %(worker)s
+-- id = ANY(...) makes it a primary-key look-up: the running index keeps dead entries until vacuum
+WHERE j.id = ANY(%(ids)s::uuid[]) AND j.id = d.id AND j.state = 'running' AND j.attempts = d.attempt
+  AND j.locked_by = %(worker)s
 RETURNING j.id;
 
 -- name: settle_error
@@ -445,12 +447,22 @@ SELECT * FROM job_queue WHERE id = %(id)s;
 SELECT lock_key, token, job_id, expires_at FROM resource_locks WHERE job_id = %(id)s;
 
 -- name: dead_letter_groups
+-- Two branches, each matching a partial index (failures; retries), so finished rows are never scanned.
+WITH picked AS (
+    SELECT id, job_type, error_fingerprint, state, finished_at, updated_at, last_error FROM job_queue
+    WHERE state IN ('dead_lettered', 'failed') AND state = ANY(%(states)s)
+      AND (%(job_type)s::text IS NULL OR job_type = %(job_type)s)
+    UNION ALL
+    SELECT id, job_type, error_fingerprint, state, finished_at, updated_at, last_error FROM job_queue
+    WHERE state = 'retry_scheduled' AND 'retry_scheduled' = ANY(%(states)s)
+      AND (%(job_type)s::text IS NULL OR job_type = %(job_type)s)
+)
 SELECT job_type, coalesce(error_fingerprint, '(no error recorded)') AS fingerprint, state,
-       count(*) AS n, min(finished_at) AS first_seen, max(finished_at) AS last_seen,
-       (array_agg(last_error ORDER BY finished_at DESC))[1] AS sample_error,
-       (array_agg(id ORDER BY finished_at DESC))[1:%(max_ids)s] AS job_ids
-FROM job_queue
-WHERE state = ANY(%(states)s) AND (%(job_type)s::text IS NULL OR job_type = %(job_type)s)
+       count(*) AS n, min(coalesce(finished_at, updated_at)) AS first_seen,
+       max(coalesce(finished_at, updated_at)) AS last_seen,
+       (array_agg(last_error ORDER BY coalesce(finished_at, updated_at) DESC))[1] AS sample_error,
+       (array_agg(id ORDER BY coalesce(finished_at, updated_at) DESC))[1:%(max_ids)s] AS job_ids
+FROM picked
 GROUP BY job_type, coalesce(error_fingerprint, '(no error recorded)'), state
 ORDER BY count(*) DESC, job_type, fingerprint
 LIMIT %(limit)s;
