@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from qconsole.widgets.fmt import duration
 from worker_core.models import (
     ActionResult,
     AuditEntry,
@@ -27,17 +28,6 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
 
 def _json(value: Any) -> None:
     print(json.dumps(to_jsonable(value), indent=2, sort_keys=False, default=str))
-
-
-def age(seconds: float) -> str:
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-    return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
 
 
 def ts(value: dt.datetime | None) -> str:
@@ -117,7 +107,7 @@ def overview(ov: Overview, as_json: bool) -> None:
             str(s.retry_scheduled),
             str(s.failed),
             str(s.dead_lettered),
-            age(s.oldest_waiting_seconds),
+            duration(s.oldest_waiting_seconds),
             f"{s.throughput_per_min:.1f}",
             f"{s.dlq_per_min:.2f}",
             f"{s.lease_expirations_per_min:.2f}",
