@@ -2,6 +2,7 @@
 
 from worker_core.clock import FixedClock, SystemClock
 from worker_core.context import JobContext
+from worker_core.coordination import SingleFlightTimeout, asingle_flight, single_flight
 from worker_core.errors import (
     EnvelopeError,
     JobTimeout,
@@ -11,6 +12,7 @@ from worker_core.errors import (
     TransientError,
 )
 from worker_core.models import EnqueueResult, Job, JobState
+from worker_core.optimistic import VersionConflict, versioned_update
 from worker_core.producer import enqueue, enqueue_many
 from worker_core.registry import Task, registry, task
 from worker_core.retry import RetryPolicy
@@ -27,11 +29,16 @@ __all__ = [
     "PermanentError",
     "ReadOnlyError",
     "RetryPolicy",
+    "SingleFlightTimeout",
     "SystemClock",
     "Task",
     "TransientError",
+    "VersionConflict",
+    "asingle_flight",
     "enqueue",
     "enqueue_many",
     "registry",
+    "single_flight",
     "task",
+    "versioned_update",
 ]
