@@ -55,8 +55,28 @@ WHERE dedup_key = ANY(%(keys)s) AND state IN ('queued', 'running', 'retry_schedu
 --   goes to cancelled. An expired job that shared its process gets one more attempt: it may be innocent.
 ------------------------------------------------------------------------------------------------------
 
+-- name: fragment_claimed_columns
+-- What a worker needs of a claimed job (not its errors history, which can be long).
+j.id, j.job_type, j.queue, j.payload, j.state, j.priority, j.attempts, j.max_attempts, j.scheduled_at,
+j.locked_by, j.locked_until, j.idempotency_key, j.dedup_key, j.lock_key, j.timeout_seconds,
+j.visibility_timeout_seconds, j.retry_policy, j.tenant_id, j.trace_id, j.lease_expirations, j.suspect,
+j.ran_solo, j.cancel_requested, j.started_at
+
+-- name: fragment_claim_ready
+-- The rows of a `ready` CTE become running, held by this worker, at their next attempt.
+UPDATE job_queue j SET
+    state = 'running',
+    attempts = j.attempts + 1,
+    locked_by = %(worker)s,
+    locked_until = %(now)s + make_interval(secs => j.visibility_timeout_seconds),
+    started_at = %(now)s,
+    ran_solo = false,
+    updated_at = %(now)s
+FROM ready r
+WHERE j.id = r.id
+RETURNING {{claimed_columns}}, false AS reclaimed
+
 -- name: claim
--- (the claims return what a worker needs, not the errors history, which can be long)
 WITH ready AS MATERIALIZED (
     SELECT id FROM job_queue
     WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s AND NOT suspect
@@ -69,20 +89,7 @@ WITH ready AS MATERIALIZED (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE job_queue j SET
-    state = 'running',
-    attempts = j.attempts + 1,
-    locked_by = %(worker)s,
-    locked_until = %(now)s + make_interval(secs => j.visibility_timeout_seconds),
-    started_at = %(now)s,
-    ran_solo = false,
-    updated_at = %(now)s
-FROM ready r
-WHERE j.id = r.id
-RETURNING j.id, j.job_type, j.queue, j.payload, j.state, j.priority, j.attempts, j.max_attempts, j.scheduled_at,
-        j.locked_by, j.locked_until, j.idempotency_key, j.dedup_key, j.lock_key, j.timeout_seconds,
-        j.visibility_timeout_seconds, j.retry_policy, j.tenant_id, j.trace_id, j.lease_expirations, j.suspect,
-        j.ran_solo, j.cancel_requested, j.started_at, false AS reclaimed;
+{{claim_ready}};
 
 -- name: claim_solo
 WITH expired AS MATERIALIZED (
@@ -144,10 +151,7 @@ UPDATE job_queue j SET
     updated_at = %(now)s
 FROM decided d
 WHERE j.id = d.id
-RETURNING j.id, j.job_type, j.queue, j.payload, j.state, j.priority, j.attempts, j.max_attempts, j.scheduled_at,
-        j.locked_by, j.locked_until, j.idempotency_key, j.dedup_key, j.lock_key, j.timeout_seconds,
-        j.visibility_timeout_seconds, j.retry_policy, j.tenant_id, j.trace_id, j.lease_expirations, j.suspect,
-        j.ran_solo, j.cancel_requested, j.started_at, d.expired AS reclaimed;
+RETURNING {{claimed_columns}}, d.expired AS reclaimed;
 
 -- name: claim_limited
 -- One limited (job type, queue scope) at a time, serialized by an advisory lock on it: count what runs,
@@ -169,20 +173,7 @@ WITH running AS (
     LIMIT greatest(0, least(%(limit)s, %(max_running)s - (SELECT n FROM running)))
     FOR UPDATE SKIP LOCKED
 )
-UPDATE job_queue j SET
-    state = 'running',
-    attempts = j.attempts + 1,
-    locked_by = %(worker)s,
-    locked_until = %(now)s + make_interval(secs => j.visibility_timeout_seconds),
-    started_at = %(now)s,
-    ran_solo = false,
-    updated_at = %(now)s
-FROM ready r
-WHERE j.id = r.id
-RETURNING j.id, j.job_type, j.queue, j.payload, j.state, j.priority, j.attempts, j.max_attempts, j.scheduled_at,
-        j.locked_by, j.locked_until, j.idempotency_key, j.dedup_key, j.lock_key, j.timeout_seconds,
-        j.visibility_timeout_seconds, j.retry_policy, j.tenant_id, j.trace_id, j.lease_expirations, j.suspect,
-        j.ran_solo, j.cancel_requested, j.started_at, false AS reclaimed;
+{{claim_ready}};
 
 -- name: limit_lock
 SELECT pg_advisory_xact_lock(hashtext('qconsole-limit:' || %(job_type)s || ':' || %(scope)s));
