@@ -270,27 +270,8 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "pgbench": shutil.which("pgbench") or "",
-        "git": git_describe(),
+        "git": code_version(),
     }
-
-
-def git_describe() -> str:
-    if os.environ.get("QCBENCH_CODE_VERSION"):
-        return os.environ["QCBENCH_CODE_VERSION"]
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", "worker_core", "qconsole", "migrations"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def code_version() -> str:
