@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker_core.logs import JobLogger
+from worker_core.logs import JobLogger, bound_logger
+
+#: guards the lazy creation of a context's cancel event against a concurrent ``cancel``
+_CANCEL_LOCK = threading.Lock()
 
 
-@dataclass
+@dataclass(eq=False)
 class JobContext:
     job_id: uuid.UUID
     job_type: str
@@ -21,8 +25,8 @@ class JobContext:
     trace_id: str | None
     tenant_id: str | None
     worker_id: str
-    #: a logger bound to the job's fields
-    logger: JobLogger
+    #: builds the logger bound to the job's fields, on first use of ``ctx.logger`` (most jobs never log)
+    _make_logger: Callable[[], JobLogger] = field(repr=False, default=lambda: bound_logger("worker_core.job"))
     #: the job's own transaction, as ``ctx.tx``: a psycopg Connection (sync handlers) or AsyncConnection (async
     #: ones). Writes through it commit together with the idempotency record and the ``succeeded`` transition.
     _tx: Any = field(default=None, repr=False)
@@ -30,12 +34,26 @@ class JobContext:
     tx_used: bool = False
     #: the worker's database, for work that must happen outside the job's transaction
     dsn: str | None = None
-    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     cancel_reason: str | None = None
+    #: created by the first ``wait_cancelled`` only: an Event per job is measurable at thousands of jobs/s
+    _cancel: threading.Event | None = field(default=None, repr=False)
+    _logger: JobLogger | None = field(default=None, repr=False)
+    #: called (on the worker's thread) when ``ctx.tx`` is first asked for: a grouped job opens its savepoint
+    _on_tx: Callable[[], Any] | None = field(default=None, repr=False)
+
+    @property
+    def logger(self) -> JobLogger:
+        """A logger bound to the job's fields (id, type, queue, attempt, trace and tenant ids)."""
+        if self._logger is None:
+            self._logger = self._make_logger()
+        return self._logger
 
     @property
     def tx(self) -> Any:
-        self.tx_used = True
+        if not self.tx_used:
+            self.tx_used = True
+            if self._on_tx is not None:
+                self._on_tx()
         return self._tx
 
     @tx.setter
@@ -46,13 +64,21 @@ class JobContext:
     def cancelled(self) -> bool:
         """True once the job was killed, its lease lost, its timeout hit or the worker is shutting down.
         A long sync handler should check it between steps and return."""
-        return self._cancel.is_set()
+        return self.cancel_reason is not None
 
     def cancel(self, reason: str) -> None:
-        if not self._cancel.is_set():
-            self.cancel_reason = reason
-            self._cancel.set()
+        with _CANCEL_LOCK:
+            if self.cancel_reason is None:
+                self.cancel_reason = reason
+                if self._cancel is not None:
+                    self._cancel.set()
 
     def wait_cancelled(self, timeout: float | None = None) -> bool:
         """Sleep up to ``timeout`` seconds, waking early when cancelled. Returns ``cancelled``."""
-        return self._cancel.wait(timeout)
+        with _CANCEL_LOCK:
+            if self._cancel is None:
+                self._cancel = threading.Event()
+                if self.cancel_reason is not None:
+                    self._cancel.set()
+            event = self._cancel
+        return event.wait(timeout)

@@ -3,9 +3,13 @@
 Threads of one worker process:
 - the claimer (the caller's thread): claims as many jobs as there are free slots, woken by LISTEN/NOTIFY
   (the listener thread) with polling as the fallback;
-- ``concurrency`` slot threads, each with its own connection: a job's transaction lives on it;
+- ``concurrency`` slot threads, each with its own connection: a job's transaction lives on it, and its
+  handler runs on it;
+- the watchdog thread: cancels a handler at its timeout and, if it ignores that for ``cancel_grace``
+  seconds, abandons its slot thread (taking its connection away) and starts another in its place;
 - the heartbeat thread: extends the leases of in-flight jobs (and their lock_key leases), sees kills and
-  lost leases, upserts the ``workers`` row, flushes metrics and does housekeeping when it wins the lock.
+  lost leases, upserts the ``workers`` row, flushes metrics and does housekeeping when it wins the lock;
+- the completer thread: settles in batches the successes that have nothing to commit with them.
 
 Per job (DESIGN.md, "The worker"): lock_key lease, then in one transaction the idempotency record, the
 handler's writes through ``ctx.tx`` and the fenced ``succeeded`` transition. Any failure rolls that
@@ -15,9 +19,11 @@ transaction back and settles the job in a new one: retry with backoff, failed, d
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime as dt
 import json
+import logging
 import os
 import queue as queue_mod
 import random
@@ -46,6 +52,10 @@ from worker_core.retry import RetryPolicy
 from worker_core.sql import queries
 
 MAX_ERROR_MESSAGE = 2000
+#: how often the watchdog looks at running handlers (timeouts are enforced to within this)
+WATCHDOG_TICK = 0.05
+#: an async handler cancels itself at its timeout; the watchdog only steps in when its event loop is stuck
+ASYNC_GRACE_MARGIN = 1.0
 
 
 @dataclass
@@ -76,13 +86,25 @@ class WorkerConfig:
     retention: maintenance.Retention = field(default_factory=maintenance.Retention)
 
 
-@dataclass
+@dataclass(eq=False)
 class Execution:
     job: dict[str, Any]
     ctx: JobContext
     lock: tuple[str, str] | None = None
     #: a slot began it (it is no longer waiting in the prefetch buffer)
     begun: bool = False
+    #: while its handler runs: the slot running it and the (monotonic) deadline the watchdog enforces
+    slot: Slot | None = None
+    deadline: float | None = None
+    #: when the watchdog first saw the handler cancelled (it is abandoned ``cancel_grace`` later)
+    cancel_seen: float | None = None
+    grace_margin: float = 0.0
+    #: the handler never returned: its slot thread was given up and another settles the job
+    abandoned: bool = False
+    #: monotonic time its slot began it
+    started: float = 0.0
+    #: outcome counters, added with its duration when it is done
+    outcome: dict[str, float] = field(default_factory=dict)
 
 
 class HandlerFailure(Exception):
@@ -91,6 +113,11 @@ class HandlerFailure(Exception):
     def __init__(self, exc: BaseException) -> None:
         super().__init__(repr(exc))
         self.exc = exc
+
+
+class Abandoned(Exception):
+    """Raised on a slot thread whose handler returned after the watchdog gave up on it: the thread ends,
+    touching nothing (its replacement settled the job)."""
 
 
 class Cancelled(Exception):
@@ -132,7 +159,11 @@ class Worker:
         self._wake = threading.Event()
         self._slot_free = threading.Condition()
         self._in_flight: dict[uuid.UUID, Execution] = {}
-        self._jobs: queue_mod.Queue[Execution | None] = queue_mod.Queue()
+        #: in-flight jobs that run alone (a lease expired or a suspect): nothing else is claimed meanwhile
+        self._solo_in_flight = 0
+        #: guards the hand-over between a returning handler and the watchdog abandoning it
+        self._exec_lock = threading.Lock()
+        self._jobs: queue_mod.SimpleQueue[Execution | None] = queue_mod.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._claim_conn: db.Conn | None = None
         self._last_housekeeping = 0.0
@@ -191,6 +222,7 @@ class Worker:
         self._publish_contracts()
         self._heartbeat_once()  # before the heartbeat thread: they share its connection
         self._spawn(self._heartbeat_main, "heartbeat")
+        self._spawn(self._watchdog_main, "watchdog")
         self._spawn(self.completer.run, "completer")
         self._spawn(self._listen_main, "listener")
         try:
@@ -227,7 +259,7 @@ class Worker:
         self._halted.set()
         self._stopping.set()
         for t in self._threads:
-            if t.name == "heartbeat":
+            if t.name in ("heartbeat", "watchdog"):
                 t.join(5)
         try:
             self._flush_and_beat(final=True)
@@ -365,7 +397,7 @@ class Worker:
 
     def _may_claim(self) -> bool:
         """Not while a job runs alone, nor while draining for one; else when a slot is free."""
-        if any(ex.job["ran_solo"] for ex in self._in_flight.values()):
+        if self._solo_in_flight:
             return False
         if self._want_solo and self._in_flight:
             return False
@@ -416,7 +448,6 @@ class Worker:
         return row is not None and row["n"] == 0
 
     def _dispatch(self, row: dict[str, Any]) -> None:
-        fields = job_fields(row)
         ctx = JobContext(
             job_id=row["id"],
             job_type=row["job_type"],
@@ -427,20 +458,26 @@ class Worker:
             trace_id=row["trace_id"],
             tenant_id=row["tenant_id"],
             worker_id=self.id,
-            logger=self.log.bind(**fields),
+            _make_logger=lambda: self.log.bind(**job_fields(row)),
             dsn=self.dsn,
         )
         ex = Execution(job=row, ctx=ctx)
         with self._slot_free:
             self._in_flight[row["id"]] = ex
+            if row["ran_solo"]:
+                self._solo_in_flight += 1
         self.claimed_total += 1
         self._jobs.put(ex)
 
     def _done(self, ex: Execution) -> None:
         with self._slot_free:
-            self._in_flight.pop(ex.job["id"], None)
-            self._slot_free.notify_all()
-        self._wake.set()
+            if self._in_flight.pop(ex.job["id"], None) is not None and ex.job["ran_solo"]:
+                self._solo_in_flight -= 1
+            # wake the claimer only when it may claim: not once per job
+            if self._may_claim() or not self._in_flight or self.stopping:
+                self._slot_free.notify_all()
+        if not self._in_flight:
+            self._wake.set()  # a burst run may be done, or a solo claim may go ahead
 
     # ------------------------------------------------------------------ listener and heartbeat
 
@@ -539,21 +576,59 @@ class Worker:
 
     # ------------------------------------------------------------------ executing
 
-    def _slot_main(self, index: int) -> None:
+    def _slot_main(self, index: int, orphan: Execution | None = None) -> None:
         slot = Slot(self, index)
+        if orphan is not None:  # the job of the slot thread this one replaces
+            try:
+                slot.finish_abandoned(orphan)
+            except BaseException:
+                self.log.exception("could not settle an abandoned job", extra=job_fields(orphan.job))
+                slot.reset()
+            finally:
+                self._done(orphan)
         while True:
             ex = self._jobs.get()
             if ex is None:
                 break
             try:
                 slot.execute(ex)
+            except Abandoned:
+                return  # the watchdog gave up on this thread; its replacement settled the job
             except BaseException:
                 # nothing a job does may take the slot down; the lease heals whatever was left
                 self.log.exception("unexpected error around a job", extra=job_fields(ex.job))
                 slot.reset()
-            finally:
-                self._done(ex)
+            self._done(ex)
         slot.close()
+
+    def _watchdog_main(self) -> None:
+        """Timeouts and stuck handlers: see the module docstring."""
+        while not self._halted.wait(WATCHDOG_TICK):
+            now = time.monotonic()
+            for ex in list(self._in_flight.values()):
+                deadline = ex.deadline
+                if deadline is None:
+                    continue
+                if now >= deadline:
+                    ex.ctx.cancel("timeout")
+                if ex.ctx.cancel_reason is not None:
+                    if ex.cancel_seen is None:
+                        ex.cancel_seen = now
+                    elif now - ex.cancel_seen >= self.config.cancel_grace + ex.grace_margin:
+                        self._abandon(ex)
+
+    def _abandon(self, ex: Execution) -> None:
+        """The handler ignores its cancellation: give up its slot thread, take its connection away so that
+        nothing it still writes can ever commit, and start a slot thread that settles the job and goes on."""
+        with self._exec_lock:
+            if ex.deadline is None or ex.abandoned or ex.slot is None:
+                return  # it returned meanwhile
+            ex.abandoned = True
+        slot = ex.slot
+        self.zombies += 1
+        ex.ctx.logger.error("handler did not stop after %s; abandoned", ex.ctx.cancel_reason)
+        slot.drop_connection()
+        self._spawn(self._slot_main, f"slot-{slot.index}", slot.index, ex)
 
 
 class Completer:
@@ -567,24 +642,27 @@ class Completer:
 
     def __init__(self, worker: Worker) -> None:
         self.w = worker
-        self._pending: list[Execution] = []
-        self._cond = threading.Condition()
-        self._stop = False
+        #: appended by the slots without a lock (deque appends and pops are atomic)
+        self._pending: collections.deque[Execution] = collections.deque()
+        #: set by the first job of a batch; the completer then gathers for FLUSH_SECONDS
+        self._kick = threading.Event()
+        self._stop = threading.Event()
         self._exited = threading.Event()
         self._conn: db.Conn | None = None
+        self._give_up_at = 0.0
         self.flushed = 0
 
     def add(self, ex: Execution) -> None:
-        with self._cond:
-            self._pending.append(ex)
-            if len(self._pending) >= self.MAX_BATCH:
-                self._cond.notify()
+        first = not self._pending
+        self._pending.append(ex)
+        if first:
+            self._kick.set()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Flush what is pending, then end (a job not settled by then runs again after its lease)."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
+        self._give_up_at = time.monotonic() + timeout
+        self._stop.set()
+        self._kick.set()
         self._exited.wait(timeout)
 
     def pending(self) -> int:
@@ -592,27 +670,33 @@ class Completer:
 
     def run(self) -> None:
         backoff = 0.05
-        while True:
-            with self._cond:
-                if not self._pending and self._stop:
-                    if self._conn is not None:
-                        self._conn.close()
-                    self._exited.set()
+        try:
+            while True:
+                self._kick.wait(1.0)
+                self._kick.clear()
+                stopping = self._stop.is_set()
+                if not stopping:
+                    time.sleep(self.FLUSH_SECONDS)  # let a batch gather
+                while self._pending:
+                    batch = [self._pending.popleft() for _ in range(min(self.MAX_BATCH, len(self._pending)))]
+                    try:
+                        self._flush(batch)
+                        backoff = 0.05
+                    except psycopg.Error as e:
+                        self._conn = None
+                        self._pending.extendleft(reversed(batch))
+                        if stopping and time.monotonic() > self._give_up_at:
+                            self.w.log.warning("completer: %s jobs not settled: they run again", len(self._pending))
+                            return
+                        self.w.log.warning("completer: %s; retrying", db.redact(str(e).strip(), self.w.dsn))
+                        time.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
+                if stopping:
                     return
-                self._cond.wait(self.FLUSH_SECONDS)
-                batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
-            if not batch:
-                continue
-            try:
-                self._flush(batch)
-                backoff = 0.05
-            except psycopg.Error as e:
-                self._conn = None
-                with self._cond:
-                    self._pending[:0] = batch
-                self.w.log.warning("completer: %s; retrying", db.redact(str(e).strip(), self.w.dsn))
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+            self._exited.set()
 
     def _flush(self, batch: list[Execution]) -> None:
         if self._conn is None or self._conn.closed or self._conn.broken:
@@ -635,43 +719,6 @@ class Completer:
                     ex.ctx.logger.warning("job no longer held by this worker: not settled")
 
 
-class Call:
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-
-class Runner:
-    """A thread that runs one handler call at a time for a slot: no thread to create per job. A handler
-    that never returns keeps its runner; the slot abandons it and starts another."""
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue_mod.SimpleQueue[Call | None] = queue_mod.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Any) -> Call:
-        call = Call(fn)
-        self._calls.put(call)
-        return call
-
-    def abandon(self) -> None:
-        self._calls.put(None)  # it exits after the stuck call, if that ever returns
-
-    def _main(self) -> None:
-        while True:
-            call = self._calls.get()
-            if call is None:
-                return
-            try:
-                call.fn()
-            except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError... all belong to the job
-                call.error = e
-            finally:
-                call.done.set()
-
-
 class Slot:
     """One unit of concurrency: a connection (and, lazily, an event loop and async connection)."""
 
@@ -679,7 +726,6 @@ class Slot:
         self.w = worker
         self.index = index
         self._conn: db.Conn | None = None
-        self._runner: Runner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aconn: db.AsyncConn | None = None
 
@@ -705,9 +751,18 @@ class Slot:
         self._loop = None
 
     def close(self) -> None:
-        if self._runner is not None:
-            self._runner.abandon()
         self.reset()
+
+    def drop_connection(self) -> None:
+        """From the watchdog, while this slot's thread is stuck in a handler: cancel what the connection
+        runs and close it, so the handler can never commit through ``ctx.tx``."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.cancel_safe(timeout=1)
+            conn.close()
+        self._aconn = None  # the stuck thread's event loop owns it; it never commits a cancelled job
+        self._loop = None
 
     def _rollback(self) -> None:
         if self._conn is not None and not self._conn.closed:
@@ -727,13 +782,8 @@ class Slot:
             return
         task = w.registry.get(job["job_type"])
         now = w.clock.now()
-        w.metrics.add(job["queue"], job["job_type"], "started")
-        w.metrics.add(
-            job["queue"],
-            job["job_type"],
-            "latency_ms_sum",
-            max(0.0, (now - job["scheduled_at"]).total_seconds() * 1000),
-        )
+        latency_ms = max(0.0, (now - job["scheduled_at"]).total_seconds() * 1000)
+        w.metrics.add_many(job["queue"], job["job_type"], {"started": 1, "latency_ms_sum": latency_ms})
         if task is None:  # the claim filters on registered types; only a changed registry gets here
             self.settle_failure(ex, PermanentError(f"no handler for job type {job['job_type']!r}"))
             return
@@ -753,12 +803,14 @@ class Slot:
                 self.release(ex, delay)
                 return
             ex.lock = (job["lock_key"], token)
-        t0 = time.monotonic()
+        t0 = ex.started = time.monotonic()
         try:
             if task.is_async:
                 self._run_async(ex, task)
             else:
                 self._run_sync(ex, task)
+        except Abandoned:
+            raise
         except HandlerFailure as f:
             self._rollback()
             self._after_failure(ex, f.exc)
@@ -771,12 +823,26 @@ class Slot:
             ctx.logger.warning("database error around the job: %s", db.redact(str(e).strip(), w.dsn))
             self.release(ex, 0.0)
         finally:
-            w.metrics.add(job["queue"], job["job_type"], "duration_ms_sum", (time.monotonic() - t0) * 1000)
-            if ex.lock is not None:
-                try:
-                    w.locks.release(self.conn, *ex.lock)
-                except Exception as e:
-                    ctx.logger.warning("could not release lock %s: %s (it expires by itself)", ex.lock[0], e)
+            if not ex.abandoned:  # else the slot that replaces this one finishes the job
+                self._finish(ex, t0)
+
+    def _finish(self, ex: Execution, t0: float) -> None:
+        job = ex.job
+        self.w.metrics.add_many(
+            job["queue"], job["job_type"], {"duration_ms_sum": (time.monotonic() - t0) * 1000, **ex.outcome}
+        )
+        if ex.lock is not None:
+            try:
+                self.w.locks.release(self.conn, *ex.lock)
+            except Exception as e:
+                ex.ctx.logger.warning("could not release lock %s: %s (it expires by itself)", ex.lock[0], e)
+
+    def finish_abandoned(self, ex: Execution) -> None:
+        """Settle the job of an abandoned slot thread (timed out, killed, lease lost or shutting down)."""
+        try:
+            self._after_failure(ex, self._cancel_exc(ex))
+        finally:
+            self._finish(ex, ex.started)
 
     def _fence(self, ex: Execution) -> dict[str, Any]:
         return {
@@ -796,13 +862,13 @@ class Slot:
         }
 
     def _succeeded(self, ex: Execution, idempotency_hit: bool) -> None:
-        job = ex.job
-        self.w.metrics.add(job["queue"], job["job_type"], "idempotency_hits" if idempotency_hit else "succeeded")
         if idempotency_hit:
-            self.w.metrics.add(job["queue"], job["job_type"], "succeeded")
+            ex.outcome = {"idempotency_hits": 1, "succeeded": 1}
             ex.ctx.logger.info("idempotency key already processed: settled without running the handler")
         else:
-            ex.ctx.logger.debug("succeeded")
+            ex.outcome = {"succeeded": 1}
+            if self.w.log.isEnabledFor(logging.DEBUG):
+                ex.ctx.logger.debug("succeeded")
 
     def _run_sync(self, ex: Execution, task: Task) -> None:
         conn = self.conn
@@ -827,28 +893,32 @@ class Slot:
         conn.commit()
         self._succeeded(ex, idempotency_hit=False)
 
+    def _begin_handler(self, ex: Execution, grace_margin: float = 0.0) -> None:
+        """From here the watchdog enforces the job's timeout (see Worker._watchdog_main)."""
+        ex.slot = self
+        ex.cancel_seen = None
+        ex.grace_margin = grace_margin
+        ex.deadline = time.monotonic() + ex.job["timeout_seconds"]
+
+    def _end_handler(self, ex: Execution) -> None:
+        with self.w._exec_lock:
+            ex.deadline = None
+            if ex.abandoned:
+                raise Abandoned()
+
     def _call_sync(self, ex: Execution, task: Task) -> None:
-        """Run the handler on the slot's runner thread, watching its timeout and cancellation from here."""
-        ctx, job = ex.ctx, ex.job
-        if self._runner is None:
-            self._runner = Runner(f"slot-{self.index}-runner")
-        call = self._runner.submit(lambda: task.fn(ctx, job["payload"]))
-        deadline = time.monotonic() + job["timeout_seconds"]
-        while not call.done.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                ctx.cancel("timeout")
-            if ctx.cancelled:
-                if not call.done.wait(self.w.config.cancel_grace):
-                    # the handler ignores ctx.cancelled: abandon it with its runner thread, and take its
-                    # connection away so that nothing it still writes can ever commit
-                    self.w.zombies += 1
-                    ctx.logger.error("handler did not stop after %s; abandoned", ctx.cancel_reason)
-                    self._runner.abandon()
-                    self._runner = None
-                    self.reset()
-                break
-        if call.error is not None:
-            raise HandlerFailure(call.error)
+        """Run the handler on this thread; the watchdog cancels it at its timeout and abandons this thread
+        if it ignores that (a handler that never returns costs a thread, never the worker)."""
+        ctx = ex.ctx
+        error: BaseException | None = None
+        self._begin_handler(ex)
+        try:
+            task.fn(ctx, ex.job["payload"])
+        except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError... all belong to the job
+            error = e
+        self._end_handler(ex)
+        if error is not None:
+            raise HandlerFailure(error)
         if ctx.cancelled:
             raise HandlerFailure(self._cancel_exc(ex))
 
@@ -863,14 +933,19 @@ class Slot:
     def _run_async(self, ex: Execution, task: Task) -> None:
         if self._loop is None or self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
+        loop = self._loop
+        # the job cancels its own handler at the timeout; the watchdog only steps in if the loop is stuck
+        self._begin_handler(ex, ASYNC_GRACE_MARGIN)
         try:
-            self._loop.run_until_complete(self._async_job(ex, task))
+            loop.run_until_complete(self._async_job(ex, task))
         except (HandlerFailure, LeaseLost, psycopg.Error):
             raise
         except BaseException as e:  # a SystemExit escaping a task surfaces here
             self._loop = None
             self._aconn = None
             raise HandlerFailure(e) from None
+        finally:
+            self._end_handler(ex)
 
     async def _async_job(self, ex: Execution, task: Task) -> None:
         if self._aconn is None or self._aconn.closed or self._aconn.broken:
