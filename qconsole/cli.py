@@ -229,6 +229,15 @@ def worker(
     concurrency: Annotated[int, typer.Option("--concurrency", min=1, max=512)] = 4,
     processes: Annotated[int, typer.Option("--processes", min=1, max=128)] = 1,
     burst: Annotated[bool, typer.Option("--burst", help="Exit once nothing is ready or running.")] = False,
+    group: Annotated[
+        int,
+        typer.Option(
+            "--group",
+            min=1,
+            max=64,
+            help="Sync jobs a slot may commit in one transaction, each in its own savepoint (1: one per job).",
+        ),
+    ] = 32,
     lock_backend: Annotated[
         str | None, typer.Option("--lock-backend", help="postgres (default) or redis://host:port/db")
     ] = None,
@@ -270,6 +279,7 @@ def worker(
         task_modules=modules,
         queues=tuple(queue) if queue else None,
         concurrency=concurrency,
+        group_max=group,
         burst=burst,
         lock_backend=lock_backend,
         shutdown_grace=shutdown_grace,

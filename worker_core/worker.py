@@ -14,6 +14,15 @@ Threads of one worker process:
 Per job (DESIGN.md, "The worker"): lock_key lease, then in one transaction the idempotency record, the
 handler's writes through ``ctx.tx`` and the fenced ``succeeded`` transition. Any failure rolls that
 transaction back and settles the job in a new one: retry with backoff, failed, dead_lettered or cancelled.
+
+Groups: the claimer hands the claimed sync jobs to the slots in groups sized from each type's measured
+handler time (as many as fit in ``group_seconds``, at most ``group_max``; a type not yet measured, or a
+slow one, goes one job per group so that slow jobs keep their parallelism). A slot runs a group's jobs one
+after another in one transaction, each inside its own savepoint, and commits them with one fenced
+settlement: a failing job rolls back to its savepoint only, and is settled on its own after the
+commit. The exactly-once contract is unchanged (the idempotency record, the effect and the settlement of a
+job still commit together or not at all); only the commits are shared. Jobs with a ``lock_key``, solo
+jobs and async handlers run one per transaction.
 """
 
 from __future__ import annotations
@@ -66,6 +75,10 @@ class WorkerConfig:
     queues: tuple[str, ...] | None = None
     concurrency: int = 4
     batch_size: int | None = None
+    #: sync jobs a slot may run in one transaction, each in its own savepoint (1: a transaction per job)
+    group_max: int = 32
+    #: a slot stops adding jobs to its group after this long, and commits
+    group_seconds: float = 0.02
     #: jobs claimed ahead of the free slots, so a slot never waits for a claim's round trip (None: twice
     #: ``concurrency``; 0: claim only for idle slots). Their leases are extended by heartbeats like the rest.
     prefetch: int | None = None
@@ -105,6 +118,25 @@ class Execution:
     started: float = 0.0
     #: outcome counters, added with its duration when it is done
     outcome: dict[str, float] = field(default_factory=dict)
+    #: monotonic time its handler returned
+    ended: float = 0.0
+    #: the group it runs in, if any
+    group: Group | None = None
+    #: its idempotency key was already processed: settled without running the handler
+    hit: bool = False
+
+
+@dataclass(eq=False)
+class Group:
+    """The jobs a slot runs in one transaction. Kept where the watchdog's replacement slot finds them if
+    the group's thread gets stuck: it gives back the uncommitted ones and settles the failed ones."""
+
+    #: handler returned, effect (or idempotency hit) waiting for the group's commit
+    effects: list[Execution] = field(default_factory=list)
+    #: failed, rolled back to its savepoint: settled on its own after the commit
+    failed: list[tuple[Execution, BaseException]] = field(default_factory=list)
+    #: not begun yet
+    waiting: list[Execution] = field(default_factory=list)
 
 
 class HandlerFailure(Exception):
@@ -163,7 +195,10 @@ class Worker:
         self._solo_in_flight = 0
         #: guards the hand-over between a returning handler and the watchdog abandoning it
         self._exec_lock = threading.Lock()
-        self._jobs: queue_mod.SimpleQueue[Execution | None] = queue_mod.SimpleQueue()
+        #: what the claimer hands the slots: a group of jobs (often of one), or None to stop a slot
+        self._jobs: queue_mod.SimpleQueue[list[Execution] | None] = queue_mod.SimpleQueue()
+        #: moving average of each job type's handler time (seconds): how many of its jobs make a group
+        self._handler_seconds: dict[str, float] = {}
         self._threads: list[threading.Thread] = []
         self._claim_conn: db.Conn | None = None
         self._last_housekeeping = 0.0
@@ -424,8 +459,7 @@ class Worker:
                 self._claim_conn = None
                 self._stopping.wait(backoff * random.uniform(0.8, 1.2))
                 continue
-            for row in rows:
-                self._dispatch(row)
+            self._hand_out([self._dispatch(row) for row in rows])
             if len(rows) == limit or self._want_solo:
                 continue
             if (
@@ -447,7 +481,7 @@ class Worker:
             row = conn.execute(queries["burst_remaining"], self._claim_params(0)).fetchone()
         return row is not None and row["n"] == 0
 
-    def _dispatch(self, row: dict[str, Any]) -> None:
+    def _dispatch(self, row: dict[str, Any]) -> Execution:
         ctx = JobContext(
             job_id=row["id"],
             job_type=row["job_type"],
@@ -467,7 +501,33 @@ class Worker:
             if row["ran_solo"]:
                 self._solo_in_flight += 1
         self.claimed_total += 1
-        self._jobs.put(ex)
+        return ex
+
+    def _hand_out(self, executions: list[Execution]) -> None:
+        """Queue the claimed jobs for the slots, in groups (see the module docstring)."""
+        group: list[Execution] = []
+        budget = 0.0
+        limit = self.config.group_seconds
+        for ex in executions:
+            if not self.groupable(ex):
+                if group:
+                    self._jobs.put(group)
+                    group, budget = [], 0.0
+                self._jobs.put([ex])  # alone, in a transaction of its own
+                continue
+            # a type not measured yet counts as slow: one job per group
+            cost = self._handler_seconds.get(ex.job["job_type"], limit)
+            if group and (budget + cost > limit or len(group) >= self.config.group_max):
+                self._jobs.put(group)
+                group, budget = [], 0.0
+            group.append(ex)
+            budget += cost
+        if group:
+            self._jobs.put(group)
+
+    def observe_handler(self, job_type: str, seconds: float) -> None:
+        old = self._handler_seconds.get(job_type)
+        self._handler_seconds[job_type] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def _done(self, ex: Execution) -> None:
         with self._slot_free:
@@ -579,27 +639,30 @@ class Worker:
     def _slot_main(self, index: int, orphan: Execution | None = None) -> None:
         slot = Slot(self, index)
         if orphan is not None:  # the job of the slot thread this one replaces
-            try:
-                slot.finish_abandoned(orphan)
-            except BaseException:
-                self.log.exception("could not settle an abandoned job", extra=job_fields(orphan.job))
-                slot.reset()
-            finally:
-                self._done(orphan)
+            slot.finish_abandoned(orphan)
         while True:
-            ex = self._jobs.get()
-            if ex is None:
+            group = self._jobs.get()
+            if group is None:
                 break
             try:
-                slot.execute(ex)
+                if len(group) == 1 and not self.groupable(group[0]):
+                    slot.run_one(group[0])
+                else:
+                    slot.run_group(group)
             except Abandoned:
                 return  # the watchdog gave up on this thread; its replacement settled the job
-            except BaseException:
-                # nothing a job does may take the slot down; the lease heals whatever was left
-                self.log.exception("unexpected error around a job", extra=job_fields(ex.job))
-                slot.reset()
-            self._done(ex)
         slot.close()
+
+    def groupable(self, ex: Execution) -> bool:
+        job = ex.job
+        task = self.registry.get(job["job_type"])
+        return (
+            self.config.group_max > 1
+            and task is not None
+            and not task.is_async
+            and not job["lock_key"]
+            and not job["ran_solo"]
+        )
 
     def _watchdog_main(self) -> None:
         """Timeouts and stuck handlers: see the module docstring."""
@@ -726,6 +789,8 @@ class Slot:
         self.w = worker
         self.index = index
         self._conn: db.Conn | None = None
+        #: binds a group's idempotency records on the client (see _open_with_key)
+        self._client_cursor: psycopg.ClientCursor[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aconn: db.AsyncConn | None = None
 
@@ -772,6 +837,18 @@ class Slot:
                 self.reset()
 
     # the job -------------------------------------------------------------------
+
+    def run_one(self, ex: Execution) -> None:
+        """A job in a transaction of its own."""
+        try:
+            self.execute(ex)
+        except Abandoned:
+            raise
+        except BaseException:
+            # nothing a job does may take the slot down; the lease heals whatever was left
+            self.w.log.exception("unexpected error around a job", extra=job_fields(ex.job))
+            self.reset()
+        self.w._done(ex)
 
     def execute(self, ex: Execution) -> None:
         w, job, ctx = self.w, ex.job, ex.ctx
@@ -828,9 +905,10 @@ class Slot:
 
     def _finish(self, ex: Execution, t0: float) -> None:
         job = ex.job
-        self.w.metrics.add_many(
-            job["queue"], job["job_type"], {"duration_ms_sum": (time.monotonic() - t0) * 1000, **ex.outcome}
-        )
+        seconds = (ex.ended or time.monotonic()) - t0
+        duration_ms = seconds * 1000
+        self.w.observe_handler(job["job_type"], seconds)
+        self.w.metrics.add_many(job["queue"], job["job_type"], {"duration_ms_sum": duration_ms, **ex.outcome})
         if ex.lock is not None:
             try:
                 self.w.locks.release(self.conn, *ex.lock)
@@ -838,11 +916,185 @@ class Slot:
                 ex.ctx.logger.warning("could not release lock %s: %s (it expires by itself)", ex.lock[0], e)
 
     def finish_abandoned(self, ex: Execution) -> None:
-        """Settle the job of an abandoned slot thread (timed out, killed, lease lost or shutting down)."""
+        """Settle the job of an abandoned slot thread (timed out, killed, lease lost or shutting down), and
+        the rest of its group: their transaction went with the thread's connection."""
+        w = self.w
         try:
             self._after_failure(ex, self._cancel_exc(ex))
-        finally:
             self._finish(ex, ex.started)
+        except Exception:
+            w.log.exception("could not settle an abandoned job", extra=job_fields(ex.job))
+            self.reset()
+        finally:
+            w._done(ex)
+        if ex.group is not None:
+            self._give_back_group(ex.group)
+
+    def _give_back_group(self, group: Group) -> None:
+        """The group's transaction is lost: its uncommitted successes run again (no attempt counted), its
+        failures are settled."""
+        for other in group.effects:
+            try:
+                self.release(other, 0.0)
+            finally:
+                self.w._done(other)
+        for other, exc in group.failed:
+            try:
+                self._after_failure(other, exc)
+                self._finish(other, other.started)
+            finally:
+                self.w._done(other)
+        group.effects, group.failed = [], []
+        if group.waiting:  # not begun: they run in a new group
+            waiting, group.waiting = group.waiting, []
+            self.w._jobs.put(waiting)
+
+    # groups -------------------------------------------------------------------------
+
+    def run_group(self, jobs: list[Execution]) -> None:
+        """Run the jobs one after another in one transaction (see the module docstring)."""
+        w = self.w
+        group = Group(waiting=list(jobs))
+        try:
+            n = 0
+            while group.waiting:
+                ex = group.waiting.pop(0)
+                n += 1
+                ex.group = group
+                self._run_grouped(ex, group, n)
+            self._commit_group(group)
+        except Abandoned:
+            raise
+        except psycopg.Error as e:
+            # one of our own statements failed (the handlers' errors are their jobs' failures): nothing
+            # of the group committed
+            self.reset()
+            w.log.warning("database error around a group of jobs: %s", db.redact(str(e).strip(), w.dsn))
+            self._give_back_group(group)
+        except BaseException:
+            w.log.exception("unexpected error around a group of jobs")
+            self.reset()
+            self._give_back_group(group)
+
+    def _raw(self, sql: bytes, expect: psycopg.pq.ExecStatus = psycopg.pq.ExecStatus.COMMAND_OK) -> int:
+        """Statements (SAVEPOINT...) sent in one round trip straight through libpq: a group's savepoints cost
+        no more than that round trip. Returns the number of rows of the last statement."""
+        conn = self.conn
+        res = conn.pgconn.exec_(sql)
+        if res.status != expect:
+            if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
+                raise psycopg.errors.error_from_result(res, conn.info.encoding)
+            raise psycopg.OperationalError(f"unexpected result {psycopg.pq.ExecStatus(res.status).name}")
+        return res.ntuples
+
+    def _open_with_key(self, savepoint: bytes, ex: Execution) -> bool:
+        """The job's savepoint and its idempotency record, in one round trip: the parameters are bound on
+        the client (psycopg's literal quoting). True: recorded; False: the key was processed already."""
+        conn = self.conn
+        if self._client_cursor is None or self._client_cursor.connection is not conn:
+            self._client_cursor = psycopg.ClientCursor(conn)
+        record = self._client_cursor.mogrify(queries["record_processed_key"], self._idempotency_params(ex))
+        begin = b"BEGIN; " if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE else b""
+        sql = begin + b"SAVEPOINT " + savepoint + b"; " + record.encode(conn.info.encoding)
+        return self._raw(sql, psycopg.pq.ExecStatus.TUPLES_OK) == 1
+
+    def _run_grouped(self, ex: Execution, group: Group, n: int) -> None:
+        w, job, ctx = self.w, ex.job, ex.ctx
+        ex.begun = True
+        ex.started = time.monotonic()
+        if ctx.cancelled:  # killed, lease lost or shutting down while it waited in the prefetch buffer
+            group.failed.append((ex, self._cancel_exc(ex)))
+            return
+        task = w.registry.get(job["job_type"])
+        assert task is not None  # groupable
+        latency_ms = max(0.0, (w.clock.now() - job["scheduled_at"]).total_seconds() * 1000)
+        w.metrics.add_many(job["queue"], job["job_type"], {"started": 1, "latency_ms_sum": latency_ms})
+        conn = self.conn
+        savepoint = f"job{n}".encode()
+        opened = False
+
+        def open_savepoint() -> None:
+            nonlocal opened
+            if not opened:
+                if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                    self._raw(b"BEGIN; SAVEPOINT " + savepoint)
+                else:
+                    self._raw(b"SAVEPOINT " + savepoint)
+                opened = True
+
+        try:
+            if job["idempotency_key"]:
+                # blocks while another job holding the same key is in its transaction: one effect, ever
+                recorded = self._open_with_key(savepoint, ex)
+                opened = True
+                if not recorded:
+                    ex.hit = True
+                    group.effects.append(ex)
+                    return
+            ctx.tx = conn
+            ctx._on_tx = open_savepoint
+            self._call_sync(ex, task)
+            if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+                raise HandlerFailure(
+                    RuntimeError("the handler swallowed a database error: its transaction is aborted")
+                )
+        except HandlerFailure as f:
+            ex.ended = time.monotonic()
+            if opened:
+                self._raw(b"ROLLBACK TO SAVEPOINT " + savepoint)
+            group.failed.append((ex, f.exc))
+            return
+        ex.ended = time.monotonic()
+        if opened:
+            group.effects.append(ex)
+            return
+        # nothing to commit with it: the completer settles it with others in one statement
+        w.completer.add(ex)
+        self._succeeded(ex, idempotency_hit=False)
+        self._finish(ex, ex.started)
+        w._done(ex)
+
+    def _commit_group(self, group: Group) -> None:
+        """One fenced settlement and one commit for the group's effects; then its failures, one by one."""
+        w, conn = self.w, self.conn
+        effects = group.effects
+        if effects:
+            rows = conn.execute(
+                queries["settle_succeeded_many"],
+                {
+                    "ids": [ex.job["id"] for ex in effects],
+                    "attempts": [ex.job["attempts"] for ex in effects],
+                    "worker": w.id,
+                    "now": w.clock.now(),
+                },
+            ).fetchall()
+            if len(rows) < len(effects):
+                # a lease was lost (the worker could not heartbeat for a whole visibility timeout): the
+                # group commits nothing; the jobs still held run again, the others belong to another worker
+                conn.rollback()
+                held = {r["id"] for r in rows}
+                for ex in effects:
+                    if ex.job["id"] not in held:
+                        ex.ctx.logger.warning("lease lost to another worker: rolled back, not settled")
+                        w._done(ex)
+                group.effects = [ex for ex in effects if ex.job["id"] in held]
+                self._give_back_group(group)
+                return
+            conn.commit()
+        elif conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.rollback()  # only failures, rolled back to their savepoints
+        group.effects = []
+        for ex in effects:
+            self._succeeded(ex, idempotency_hit=ex.hit)
+            self._finish(ex, ex.started)
+            w._done(ex)
+        failed, group.failed = group.failed, []
+        for ex, exc in failed:
+            try:
+                self._after_failure(ex, exc)
+                self._finish(ex, ex.started)
+            finally:
+                w._done(ex)
 
     def _fence(self, ex: Execution) -> dict[str, Any]:
         return {

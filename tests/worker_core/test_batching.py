@@ -1,13 +1,17 @@
 """What keeps the worker fast without weakening the contract: a prefetch buffer (a job killed while it
-waits there never starts), batched settlement of jobs with no transactional effect, and planner statistics
-refreshed by housekeeping after a burst."""
+waits there never starts), batched settlement of jobs with no transactional effect, groups of jobs sharing
+one commit (each in its own savepoint), and planner statistics refreshed by housekeeping after a burst."""
 
 from __future__ import annotations
 
-from tests.worker_core.helpers import ledger, run_burst, running_worker, state, wait_for
+import uuid
+from typing import Any
+
+from tests.worker_core.helpers import WorkerThread, config, job, ledger, run_burst, running_worker, state, wait_for
 from worker_core import db, ops
 from worker_core.maintenance import analyze_if_stale
 from worker_core.producer import enqueue, enqueue_many
+from worker_core.worker import Worker
 
 
 def test_a_job_killed_in_the_prefetch_buffer_never_starts(dsn: str, conn: db.Conn) -> None:
@@ -37,3 +41,94 @@ def test_housekeeping_analyzes_a_queue_table_after_a_burst(conn: db.Conn) -> Non
     enqueue_many(conn, [("t.ok", {}) for _ in range(3000)])
     assert analyze_if_stale(conn) is True
     assert analyze_if_stale(conn) is False  # fresh now
+
+
+# one claim, handed to the one slot as one group: room for all the jobs in the prefetch buffer, and a group
+# window that these handlers fill only by the dozen
+ONE_GROUP: dict[str, Any] = {"concurrency": 1, "prefetch": 20, "group_seconds": 10.0}
+
+
+def run_grouped(dsn: str, **overrides: Any) -> Worker:
+    """A burst worker that has measured its handlers already: their jobs are handed out in groups."""
+    wt = WorkerThread(dsn, **{**ONE_GROUP, **overrides})
+    for job_type in ("t.ledger", "t.stubborn"):
+        wt.worker.observe_handler(job_type, 0.01)
+    assert wt.start().join(60) == 0
+    return wt.worker
+
+
+def finished(conn: db.Conn, ids: list[uuid.UUID]) -> list[Any]:
+    rows = conn.execute("SELECT id, finished_at FROM job_queue WHERE id = ANY(%s)", (ids,)).fetchall()
+    at = {r["id"]: r["finished_at"] for r in rows}
+    return [at[i] for i in ids]
+
+
+def test_a_group_commits_together_and_a_failure_rolls_back_only_its_own_job(dsn: str, conn: db.Conn) -> None:
+    # job 3 writes its ledger row, then fails on its first attempt: that write must vanish, the others' stay
+    ids = [
+        enqueue(conn, "t.ledger", {"item": f"i{i}", "fail_after_write": 1 if i == 3 else 0}, idempotency_key=f"g{i}").id
+        for i in range(8)
+    ]
+    run_grouped(dsn)
+    for i, j in enumerate(ids):
+        row = job(dsn, j)
+        assert (row["state"], row["attempts"]) == ("succeeded", 2 if i == 3 else 1)
+    assert sorted((r["item"], r["attempt"]) for r in ledger(dsn)) == [
+        (f"i{i}", 2 if i == 3 else 1) for i in range(8)
+    ]
+    # the seven that succeeded at once were settled by one statement in one transaction
+    others = [j for i, j in enumerate(ids) if i != 3]
+    assert len(set(finished(conn, others))) == 1
+    assert job(dsn, ids[3])["finished_at"] > finished(conn, others)[0]
+    keys = conn.execute("SELECT idempotency_key, job_id FROM processed_keys ORDER BY 1").fetchall()
+    assert [(k["idempotency_key"], k["job_id"]) for k in keys] == [(f"g{i}", j) for i, j in enumerate(ids)]
+
+
+def test_a_key_processed_earlier_in_the_same_group_is_a_hit(dsn: str, conn: db.Conn) -> None:
+    first = enqueue(conn, "t.ledger", {"item": "once"}, idempotency_key="same", priority=0).id
+    again = enqueue(conn, "t.ledger", {"item": "twice"}, idempotency_key="same", priority=1).id
+    run_grouped(dsn)
+    assert state(dsn, first) == state(dsn, again) == "succeeded"
+    assert [r["item"] for r in ledger(dsn)] == ["once"]
+    assert finished(conn, [first])[0] == finished(conn, [again])[0]  # one group
+
+
+def test_grouping_can_be_turned_off(dsn: str, conn: db.Conn) -> None:
+    ids = [enqueue(conn, "t.ledger", {"item": f"i{i}"}, idempotency_key=f"n{i}").id for i in range(4)]
+    run_grouped(dsn, group_max=1)
+    assert len(set(finished(conn, ids))) == 4  # a transaction per job
+
+
+def test_a_stuck_handler_in_a_group_gives_back_the_uncommitted_jobs_before_it(dsn: str, conn: db.Conn) -> None:
+    # the first job's effect waits for the group's commit when the second job's handler hangs past its
+    # timeout: the watchdog abandons the slot, and that effect runs again rather than being lost
+    done = enqueue(conn, "t.ledger", {"item": "before"}, idempotency_key="before", priority=0).id
+    stuck = enqueue(conn, "t.stubborn", {"seconds": 2.5, "item": "late"}, priority=1).id
+    w = run_grouped(dsn, cancel_grace=0.2)
+    assert w.zombies == 1
+    assert job(dsn, stuck)["state"] == "dead_lettered"
+    row = job(dsn, done)
+    assert (row["state"], row["attempts"]) == ("succeeded", 1)  # given back without counting an attempt
+    assert [r["item"] for r in ledger(dsn)] == ["before"]
+
+
+def test_jobs_are_handed_out_in_groups_that_fit_the_window_of_their_measured_handler_time(dsn: str) -> None:
+    w = Worker(config(dsn, group_seconds=0.02, group_max=8))
+    w.observe_handler("t.ok", 0.001)  # 20 fit the window: groups of group_max
+    w.observe_handler("t.slow", 0.015)  # one fits
+    rows = [("t.ok", None)] * 10 + [("t.slow", None)] * 2 + [("t.ledger", None)] * 2 + [("t.ok", "lock")] * 2
+    w._hand_out([
+        w._dispatch({"id": uuid.uuid4(), "job_type": t, "lock_key": lock, "ran_solo": False, "queue": "default",
+                     "attempts": 1, "max_attempts": 3, "idempotency_key": None, "trace_id": None,
+                     "tenant_id": None})
+        for t, lock in rows
+    ])  # fmt: skip
+    groups = []
+    while not w._jobs.empty():
+        group = w._jobs.get()
+        assert group is not None
+        groups.append([ex.job["job_type"] + ("+lock" if ex.job["lock_key"] else "") for ex in group])
+    # two fast jobs and a slow one share the window; a type not measured yet (t.ledger) counts as slow; a
+    # lock_key job runs alone
+    assert groups == [["t.ok"] * 8, ["t.ok", "t.ok", "t.slow"], ["t.slow"], ["t.ledger"], ["t.ledger"],
+                      ["t.ok+lock"], ["t.ok+lock"]]  # fmt: skip
