@@ -19,6 +19,7 @@ query's; median of 3); the full plans, ``EXPLAIN (ANALYZE, BUFFERS)``, are saved
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Callable
@@ -118,24 +119,25 @@ def build(dsn: str, finished: int, dead: int, waiting: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------- claim latency
 
 
-def _claim_statements(conn: Any, worker: Any, limit: int, count: int) -> tuple[list[float], str]:
-    """``count`` claims of ``limit`` jobs by the claim statement alone, each committed; and its plan."""
+def _claim_statements(worker: Any, limit: int, count: int) -> tuple[list[float], str]:
+    """``count`` claims of ``limit`` jobs by the claim statement alone, on the connection the worker claims
+    with (autocommit: the statement is its own transaction, one round trip); and its plan."""
     from worker_core.sql import queries
 
+    conn = worker._conn_for_claims()
     times: list[float] = []
     for _ in range(count):
         params = worker._claim_params(limit)
         t0 = time.perf_counter()
         rows = conn.execute(queries["claim"], params).fetchall()
         times.append((time.perf_counter() - t0) * 1000)
-        conn.commit()
         if not rows:
             raise RuntimeError("the claim found nothing ready")
-    plan = "\n".join(
-        r["QUERY PLAN"]
-        for r in conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + queries["claim"], worker._claim_params(limit)).fetchall()
-    )
-    conn.rollback()
+    plan = ""
+    with contextlib.suppress(psycopg.Rollback), conn.transaction():
+        explain = "EXPLAIN (ANALYZE, BUFFERS) " + queries["claim"]
+        plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(explain, worker._claim_params(limit)).fetchall())
+        raise psycopg.Rollback()  # the explained claim claims nothing
     return times, plan
 
 
@@ -153,13 +155,12 @@ def claim_latency(dsn: str, count: int, concurrency: int) -> dict[str, Any]:
 
     worker = Worker(WorkerConfig(dsn=dsn, concurrency=1))
     batch = Worker(WorkerConfig(dsn=dsn, concurrency=concurrency)).batch_size
-    with db.connect(dsn, application_name="qcbench-claim") as conn:
-        stmt, plan = _claim_statements(conn, worker, 1, count)
-        # the batch claims take 10,000 / batch / 2 rounds at most, leaving half the backlog
-        with conn.transaction():
-            ready = conn.execute("SELECT count(*) AS n FROM job_queue WHERE state = 'queued'").fetchone()["n"]  # type: ignore[index]
-        batch_count = max(5, min(count, ready // batch // 2))
-        batch_times, batch_plan = _claim_statements(conn, worker, batch, batch_count)
+    stmt, plan = _claim_statements(worker, 1, count)
+    # the batch claims take 10,000 / batch / 2 rounds at most, leaving half the backlog
+    with db.connect(dsn, application_name="qcbench-claim") as conn, conn.transaction():
+        ready = conn.execute("SELECT count(*) AS n FROM job_queue WHERE state = 'queued'").fetchone()["n"]  # type: ignore[index]
+    batch_count = max(5, min(count, ready // batch // 2))
+    batch_times, batch_plan = _claim_statements(worker, batch, batch_count)
     full: list[float] = []
     try:
         for _ in range(count):

@@ -214,6 +214,9 @@ class Worker:
         self._burst_hold_until = 0.0
         self.zombies = 0
         self.claimed_total = 0
+        #: claim statements that returned jobs, and groups committed: claimed_total / these = batch sizes
+        self.claims = 0
+        self.groups = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -459,7 +462,9 @@ class Worker:
                 self._claim_conn = None
                 self._stopping.wait(backoff * random.uniform(0.8, 1.2))
                 continue
-            self._hand_out([self._dispatch(row) for row in rows])
+            if rows:
+                self.claims += 1
+                self._hand_out([self._dispatch(row) for row in rows])
             if len(rows) == limit or self._want_solo:
                 continue
             if (
@@ -789,8 +794,8 @@ class Slot:
         self.w = worker
         self.index = index
         self._conn: db.Conn | None = None
-        #: binds a group's idempotency records on the client (see _open_with_key)
-        self._client_cursor: psycopg.ClientCursor[Any] | None = None
+        #: the connection worker_core_record_key is prepared on (see _open_with_key)
+        self._prepared_on: db.Conn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aconn: db.AsyncConn | None = None
 
@@ -954,6 +959,7 @@ class Slot:
     def run_group(self, jobs: list[Execution]) -> None:
         """Run the jobs one after another in one transaction (see the module docstring)."""
         w = self.w
+        w.groups += 1
         group = Group(waiting=list(jobs))
         try:
             n = 0
@@ -988,14 +994,26 @@ class Slot:
         return res.ntuples
 
     def _open_with_key(self, savepoint: bytes, ex: Execution) -> bool:
-        """The job's savepoint and its idempotency record, in one round trip: the parameters are bound on
-        the client (psycopg's literal quoting). True: recorded; False: the key was processed already."""
+        """The job's savepoint and its idempotency record in one round trip, the record through a statement
+        prepared on this connection, its parameters quoted by libpq. True: recorded; False: the key was
+        processed already."""
         conn = self.conn
-        if self._client_cursor is None or self._client_cursor.connection is not conn:
-            self._client_cursor = psycopg.ClientCursor(conn)
-        record = self._client_cursor.mogrify(queries["record_processed_key"], self._idempotency_params(ex))
+        if self._prepared_on is not conn:
+            self._raw(queries["prepare_record_processed_key"].encode())
+            self._prepared_on = conn
+        job, enc = ex.job, conn.info.encoding
+        quote = psycopg.pq.Escaping(conn.pgconn).escape_literal
+        args = b", ".join(
+            (
+                quote(job["idempotency_key"].encode(enc)),
+                quote(str(job["id"]).encode()),
+                quote(job["job_type"].encode(enc)),
+                quote(self.w.clock.now().isoformat().encode()),
+                repr(float(self.w.config.idempotency_retention_seconds)).encode(),
+            )
+        )
         begin = b"BEGIN; " if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE else b""
-        sql = begin + b"SAVEPOINT " + savepoint + b"; " + record.encode(conn.info.encoding)
+        sql = begin + b"SAVEPOINT " + savepoint + b"; EXECUTE worker_core_record_key(" + args + b")"
         return self._raw(sql, psycopg.pq.ExecStatus.TUPLES_OK) == 1
 
     def _run_grouped(self, ex: Execution, group: Group, n: int) -> None:

@@ -233,6 +233,15 @@ VALUES (%(key)s, %(job_id)s, %(job_type)s, %(now)s, %(now)s + make_interval(secs
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING job_id;
 
+-- name: prepare_record_processed_key
+-- record_processed_key for a job of a group: prepared once per connection, then EXECUTEd with literal
+-- parameters in the same simple-protocol round trip as the job's SAVEPOINT (worker.Slot._open_with_key).
+PREPARE worker_core_record_key (text, uuid, text, timestamptz, float8) AS
+INSERT INTO processed_keys (idempotency_key, job_id, job_type, processed_at, expires_at)
+VALUES ($1, $2, $3, $4, $4 + make_interval(secs => $5))
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING job_id;
+
 -- name: processed_key_owner
 SELECT job_id FROM processed_keys WHERE idempotency_key = %(key)s;
 
