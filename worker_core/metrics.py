@@ -53,14 +53,16 @@ class MetricsBuffer:
     def add_many(self, queue: str, job_type: str, values: dict[str, float]) -> None:
         """Several counters of one job at once: one clock read and one lock, on the hot path."""
         minute = self.clock.now().replace(second=0, microsecond=0)
+        totals = self.totals
         with self._lock:
             row = self._rows[(minute, queue, job_type)]
             for name, value in values.items():
                 row[name] += value
-                self.totals[(queue, job_type, name)] += value
-        for obs in self.observers:
-            for name, value in values.items():
-                obs(queue, job_type, name, value)
+                totals[(queue, job_type, name)] += value
+        if self.observers:
+            for obs in self.observers:
+                for name, value in values.items():
+                    obs(queue, job_type, name, value)
 
     def take(self) -> dict[Key, dict[str, float]]:
         with self._lock:

@@ -7,6 +7,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, TypeVar
 
 from worker_core import policy
@@ -15,6 +16,12 @@ from worker_core.models import TypeContract
 from worker_core.retry import RetryPolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+@lru_cache(maxsize=1024)
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """Asked for every job the worker hands out: inspect once per handler."""
+    return inspect.iscoroutinefunction(fn)
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,7 @@ class Task:
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn)
+        return _is_async(self.fn)
 
     def overrides(self) -> dict[str, Any]:
         """The policy fields this type sets itself."""

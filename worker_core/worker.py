@@ -158,6 +158,21 @@ class Cancelled(Exception):
         self.reason = reason
 
 
+def array_literal(values: Any) -> str:
+    """``{a,b,c}`` for a list of uuids or ints, cast in SQL (``%(ids)s::uuid[]``): for the batches of the hot
+    path, psycopg's per-element list adaptation costs more than the statement."""
+    return "{" + ",".join(map(str, values)) + "}"
+
+
+def settle_many_params(worker: Worker, batch: list[Execution]) -> dict[str, Any]:
+    return {
+        "ids": array_literal([ex.job["id"] for ex in batch]),
+        "attempts": array_literal([ex.job["attempts"] for ex in batch]),
+        "worker": worker.id,
+        "now": worker.clock.now(),
+    }
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -591,7 +606,7 @@ class Worker:
             with conn.transaction():
                 rows = conn.execute(
                     queries["heartbeat_jobs"],
-                    {"now": now, "worker": self.id, "ids": [ex.job["id"] for ex in in_flight]},
+                    {"now": now, "worker": self.id, "ids": array_literal([ex.job["id"] for ex in in_flight])},
                 ).fetchall()
             held = {r["id"]: r for r in rows}
             for ex in in_flight:
@@ -770,15 +785,7 @@ class Completer:
         if self._conn is None or self._conn.closed or self._conn.broken:
             self._conn = db.connect(self.w.dsn, application_name=self.w.config.application_name)
         with self._conn.transaction():
-            rows = self._conn.execute(
-                queries["settle_succeeded_many"],
-                {
-                    "ids": [ex.job["id"] for ex in batch],
-                    "attempts": [ex.job["attempts"] for ex in batch],
-                    "worker": self.w.id,
-                    "now": self.w.clock.now(),
-                },
-            ).fetchall()
+            rows = self._conn.execute(queries["settle_succeeded_many"], settle_many_params(self.w, batch)).fetchall()
         self.flushed += len(rows)
         if len(rows) < len(batch):
             settled = {r["id"] for r in rows}
@@ -1077,15 +1084,7 @@ class Slot:
         w, conn = self.w, self.conn
         effects = group.effects
         if effects:
-            rows = conn.execute(
-                queries["settle_succeeded_many"],
-                {
-                    "ids": [ex.job["id"] for ex in effects],
-                    "attempts": [ex.job["attempts"] for ex in effects],
-                    "worker": w.id,
-                    "now": w.clock.now(),
-                },
-            ).fetchall()
+            rows = conn.execute(queries["settle_succeeded_many"], settle_many_params(w, effects)).fetchall()
             if len(rows) < len(effects):
                 # a lease was lost (the worker could not heartbeat for a whole visibility timeout): the
                 # group commits nothing; the jobs still held run again, the others belong to another worker
@@ -1290,7 +1289,10 @@ class Slot:
         else:
             state = "retry_scheduled"
             retry_in = getattr(exc, "retry_in", None)
-            delay = retry_in if retry_in is not None else RetryPolicy.from_json(job["retry_policy"]).delay(attempt)
+            # claims return the policy as text: decoded only here, on the failure path
+            policy = job["retry_policy"]
+            policy = json.loads(policy) if isinstance(policy, str) else policy
+            delay = retry_in if retry_in is not None else RetryPolicy.from_json(policy).delay(attempt)
             scheduled_at = now + dt.timedelta(seconds=delay)
         cls = type(exc).__name__
         message = str(exc).strip() or repr(exc)

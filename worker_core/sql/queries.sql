@@ -59,7 +59,7 @@ WHERE dedup_key = ANY(%(keys)s) AND state IN ('queued', 'running', 'retry_schedu
 -- What a worker needs of a claimed job (not its errors history, which can be long).
 j.id, j.job_type, j.queue, j.payload, j.state, j.priority, j.attempts, j.max_attempts, j.scheduled_at,
 j.locked_by, j.locked_until, j.idempotency_key, j.dedup_key, j.lock_key, j.timeout_seconds,
-j.visibility_timeout_seconds, j.retry_policy, j.tenant_id, j.trace_id, j.lease_expirations, j.suspect,
+j.visibility_timeout_seconds, j.retry_policy::text AS retry_policy, j.tenant_id, j.trace_id, j.lease_expirations, j.suspect,
 j.ran_solo, j.cancel_requested, j.started_at
 
 -- name: fragment_claim_ready
@@ -224,7 +224,7 @@ SELECT EXISTS (
 UPDATE job_queue SET
     locked_until = %(now)s + make_interval(secs => visibility_timeout_seconds),
     updated_at = %(now)s
-WHERE id = ANY(%(ids)s) AND state = 'running' AND locked_by = %(worker)s
+WHERE id = ANY(%(ids)s::uuid[]) AND state = 'running' AND locked_by = %(worker)s
 RETURNING id, attempts, cancel_requested;
 
 -- name: record_processed_key
@@ -258,6 +258,8 @@ RETURNING id;
 UPDATE job_queue j SET
     state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, cancel_requested = false,
     suspect = false
+-- ids and attempts come as array literals (text): psycopg's per-element list adaptation cost more than the
+-- statement for batches of hundreds
 FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
 -- id = ANY(...) makes it a primary-key look-up: the running index keeps dead entries until vacuum
 WHERE j.id = ANY(%(ids)s::uuid[]) AND j.id = d.id AND j.state = 'running' AND j.attempts = d.attempt
