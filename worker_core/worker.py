@@ -751,8 +751,17 @@ class Completer:
     def pending(self) -> int:
         return len(self._pending)
 
+    def _connect(self) -> db.Conn:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = db.connect(self.w.dsn, application_name=self.w.config.application_name)
+        return self._conn
+
     def run(self) -> None:
         backoff = 0.05
+        # at once, like the worker's other own connections: where connections are scarce, the slots are
+        # what waits for one, not the settlement of every job
+        with contextlib.suppress(psycopg.Error):
+            self._connect()
         try:
             while True:
                 self._kick.wait(1.0)
@@ -782,10 +791,9 @@ class Completer:
             self._exited.set()
 
     def _flush(self, batch: list[Execution]) -> None:
-        if self._conn is None or self._conn.closed or self._conn.broken:
-            self._conn = db.connect(self.w.dsn, application_name=self.w.config.application_name)
-        with self._conn.transaction():
-            rows = self._conn.execute(queries["settle_succeeded_many"], settle_many_params(self.w, batch)).fetchall()
+        conn = self._connect()
+        with conn.transaction():
+            rows = conn.execute(queries["settle_succeeded_many"], settle_many_params(self.w, batch)).fetchall()
         self.flushed += len(rows)
         if len(rows) < len(batch):
             settled = {r["id"] for r in rows}
@@ -801,6 +809,8 @@ class Slot:
         self.w = worker
         self.index = index
         self._conn: db.Conn | None = None
+        #: set while giving a group back, once the database could not be reached (see _write)
+        self._unreachable = False
         #: the connection worker_core_record_key is prepared on (see _open_with_key)
         self._prepared_on: db.Conn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -944,18 +954,22 @@ class Slot:
 
     def _give_back_group(self, group: Group) -> None:
         """The group's transaction is lost: its uncommitted successes run again (no attempt counted), its
-        failures are settled."""
-        for other in group.effects:
-            try:
-                self.release(other, 0.0)
-            finally:
-                self.w._done(other)
-        for other, exc in group.failed:
-            try:
-                self._after_failure(other, exc)
-                self._finish(other, other.started)
-            finally:
-                self.w._done(other)
+        failures are settled. If the database cannot be reached, the rest get one try each."""
+        self._unreachable = False
+        try:
+            for other in group.effects:
+                try:
+                    self.release(other, 0.0)
+                finally:
+                    self.w._done(other)
+            for other, exc in group.failed:
+                try:
+                    self._after_failure(other, exc)
+                    self._finish(other, other.started)
+                finally:
+                    self.w._done(other)
+        finally:
+            self._unreachable = False
         group.effects, group.failed = [], []
         if group.waiting:  # not begun: they run in a new group
             waiting, group.waiting = group.waiting, []
@@ -968,25 +982,28 @@ class Slot:
         w = self.w
         w.groups += 1
         group = Group(waiting=list(jobs))
+        current: Execution | None = None
         try:
             n = 0
             while group.waiting:
-                ex = group.waiting.pop(0)
+                current = group.waiting.pop(0)
                 n += 1
-                ex.group = group
-                self._run_grouped(ex, group, n)
+                current.group = group
+                self._run_grouped(current, group, n)
+                current = None
             self._commit_group(group)
         except Abandoned:
             raise
-        except psycopg.Error as e:
-            # one of our own statements failed (the handlers' errors are their jobs' failures): nothing
-            # of the group committed
+        except BaseException as e:
+            # one of our own statements failed (the handlers' errors are their jobs' failures), or the
+            # database went away: nothing of the group committed; the job in progress is given back too
             self.reset()
-            w.log.warning("database error around a group of jobs: %s", db.redact(str(e).strip(), w.dsn))
-            self._give_back_group(group)
-        except BaseException:
-            w.log.exception("unexpected error around a group of jobs")
-            self.reset()
+            if isinstance(e, psycopg.Error):
+                w.log.warning("database error around a group of jobs: %s", db.redact(str(e).strip(), w.dsn))
+            else:
+                w.log.exception("unexpected error around a group of jobs")
+            if current is not None and current not in group.effects and all(f[0] is not current for f in group.failed):
+                group.effects.append(current)
             self._give_back_group(group)
 
     def _raw(self, sql: bytes, expect: psycopg.pq.ExecStatus = psycopg.pq.ExecStatus.COMMAND_OK) -> int:
@@ -1034,14 +1051,16 @@ class Slot:
         assert task is not None  # groupable
         latency_ms = max(0.0, (w.clock.now() - job["scheduled_at"]).total_seconds() * 1000)
         w.metrics.add_many(job["queue"], job["job_type"], {"started": 1, "latency_ms_sum": latency_ms})
-        conn = self.conn
         savepoint = f"job{n}".encode()
         opened = False
 
         def open_savepoint() -> None:
             nonlocal opened
+            if ex.abandoned:  # its connection was taken away: nothing it does may reach the database
+                raise psycopg.OperationalError("the job was abandoned after its timeout")
+            ctx.tx = self.conn
             if not opened:
-                if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                if self.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
                     self._raw(b"BEGIN; SAVEPOINT " + savepoint)
                 else:
                     self._raw(b"SAVEPOINT " + savepoint)
@@ -1056,10 +1075,10 @@ class Slot:
                     ex.hit = True
                     group.effects.append(ex)
                     return
-            ctx.tx = conn
+            # the handler's first use of ctx.tx opens its savepoint (and the slot's connection, if need be)
             ctx._on_tx = open_savepoint
             self._call_sync(ex, task)
-            if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            if opened and self.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
                 raise HandlerFailure(
                     RuntimeError("the handler swallowed a database error: its transaction is aborted")
                 )
@@ -1337,7 +1356,9 @@ class Slot:
         """A fenced settlement, retried through a database outage until the job's lease would have run out
         (after that another worker owns the job and the fence would refuse us anyway). True: written;
         False: refused by the fence; None: the database could not be reached."""
-        deadline = time.monotonic() + ex.job["visibility_timeout_seconds"]
+        # a group's jobs after one that could not be written get one try each, not a lease's worth of
+        # retries each (their leases expire and another worker takes them)
+        deadline = 0.0 if self._unreachable else time.monotonic() + ex.job["visibility_timeout_seconds"]
         backoff = 0.1
         while True:
             try:
@@ -1350,6 +1371,7 @@ class Slot:
                 self.reset()
                 if time.monotonic() + backoff > deadline or not _is_db_error(e):
                     ex.ctx.logger.error("could not settle the job: %s", db.redact(str(e).strip(), self.w.dsn))
+                    self._unreachable = self._unreachable or _is_db_error(e)
                     return None
                 time.sleep(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, 5.0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import psycopg
+
 from tests.worker_core.helpers import WorkerThread, config, job, ledger, run_burst, running_worker, state, wait_for
 from worker_core import db, ops
 from worker_core.maintenance import analyze_if_stale
@@ -132,3 +134,34 @@ def test_jobs_are_handed_out_in_groups_that_fit_the_window_of_their_measured_han
     # lock_key job runs alone
     assert groups == [["t.ok"] * 8, ["t.ok", "t.ok", "t.slow"], ["t.slow"], ["t.ledger"], ["t.ledger"],
                       ["t.ok+lock"], ["t.ok+lock"]]  # fmt: skip
+
+
+def test_slots_that_cannot_connect_give_their_jobs_back_and_the_worker_carries_on(dsn: str, conn: db.Conn) -> None:
+    # a role allowed the worker's four own connections (claims, heartbeat, listener, completer) and none for
+    # its slots: jobs that need a slot's transaction are given back, not leaked; jobs that need none succeed
+    role = f"qc_limited_{uuid.uuid4().hex[:8]}"
+    conn.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 4")
+    conn.execute(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}")
+    conn.execute(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}")
+    try:
+        limited = psycopg.conninfo.make_conninfo(dsn, user=role)
+        effects = [
+            enqueue(conn, "t.ledger", {"item": f"e{i}"}, idempotency_key=f"c{i}", timeout_seconds=0.5,
+                    visibility_timeout_seconds=6).id
+            for i in range(3)
+        ]  # fmt: skip
+        plain = [enqueue(conn, "t.ok", {}).id for _ in range(3)]
+        with running_worker(limited, concurrency=2, heartbeat_interval=0.2) as w:
+            for j in plain:
+                wait_for(lambda j=j: state(dsn, j) == "succeeded", timeout=20, what="the jobs without effects")
+            wait_for(lambda: w.claimed_total >= 3 + len(plain) and not w._in_flight, timeout=20, what="no leak")
+            conn.execute(f"ALTER ROLE {role} CONNECTION LIMIT -1")  # the connections come back
+            for j in effects:
+                wait_for(lambda j=j: state(dsn, j) == "succeeded", timeout=30, what="the given-back jobs")
+        assert sorted(r["item"] for r in ledger(dsn)) == ["e0", "e1", "e2"]
+    finally:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
+        )
+        conn.execute(f"DROP OWNED BY {role}")
+        conn.execute(f"DROP ROLE {role}")
