@@ -1078,9 +1078,14 @@ class Slot:
             # the handler's first use of ctx.tx opens its savepoint (and the slot's connection, if need be)
             ctx._on_tx = open_savepoint
             self._call_sync(ex, task)
-            if opened and self.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            status = self.conn.pgconn.transaction_status if opened else None
+            if status == psycopg.pq.TransactionStatus.INERROR:
                 raise HandlerFailure(
                     RuntimeError("the handler swallowed a database error: its transaction is aborted")
+                )
+            if status == psycopg.pq.TransactionStatus.IDLE:
+                ctx.logger.warning(
+                    "the handler ended ctx.tx's transaction itself: what it committed is not settled with it"
                 )
         except HandlerFailure as f:
             ex.ended = time.monotonic()
