@@ -148,7 +148,7 @@ def build(res: dict[str, Any]) -> tuple[list[tuple[str, list[Row]]], list[dict[s
                 (
                     f"claim statement, limit 1, {label}",
                     f"p50 {_ms(c['statement_p50_ms'])} / p99 {_ms(c['statement_p99_ms'])}",
-                    f"Worker.claim (BEGIN+claim+COMMIT) p50 {_ms(c['worker_claim_p50_ms'])} / p99 "
+                    f"Worker.claim (filters, claim) p50 {_ms(c['worker_claim_p50_ms'])} / p99 "
                     f"{_ms(c['worker_claim_p99_ms'])}"
                     + ("; the plan sorts the whole backlog" if c.get("plan_sorts_backlog") else ""),
                 )

@@ -342,9 +342,12 @@ class Worker:
 
     def _conn_for_claims(self) -> db.Conn:
         if self._claim_conn is None or self._claim_conn.closed or self._claim_conn.broken:
-            self._claim_conn = db.connect(self.dsn, application_name=self.config.application_name, autocommit=True)
-            # plan each claim with its parameters: a generic plan cannot see that no queue is paused
-            self._claim_conn.prepare_threshold = None
+            conn = db.connect(self.dsn, application_name=self.config.application_name, autocommit=True)
+            # prepared (no parse per claim), but planned with each claim's parameters: a generic plan
+            # cannot see that no queue is paused
+            conn.execute(queries["claim_session"], prepare=False)
+            conn.prepare_threshold = 0
+            self._claim_conn = conn
         return self._claim_conn
 
     def claim(self, limit: int) -> list[dict[str, Any]]:

@@ -76,6 +76,11 @@ FROM ready r
 WHERE j.id = r.id
 RETURNING {{claimed_columns}}, false AS reclaimed
 
+-- name: claim_session
+-- The claim connection's settings: prepared statements, planned with each claim's parameters (see
+-- Worker._conn_for_claims). The plan's row estimates come from the statistics of migration 0008.
+SET plan_cache_mode = force_custom_plan;
+
 -- name: claim
 WITH ready AS MATERIALIZED (
     SELECT id FROM job_queue
