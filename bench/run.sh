@@ -1,6 +1,6 @@
 #!/usr/bin/env sh
 # `make bench`: create bench/.venv (once), install the project and the peers, run bench/run.py.
-#   bench/run.sh            full run (~15 min on 2 cores)
+#   bench/run.sh            full run (~8 min on 2 cores)
 #   bench/run.sh --quick    development run (~2-3 min)
 # The server: $QCONSOLE_BENCH_DSN (default postgresql://postgres@127.0.0.1:5432/postgres); when it is
 # unreachable, the embedded server (worker_core.embedded) is used and the table says so.
