@@ -1,6 +1,6 @@
 """``make bench``: qconsole side by side with procrastinate and pgqueuer on one PostgreSQL server.
 
-    python bench/run.py              full run (~15 min on 2 cores), median of 3 runs
+    python bench/run.py              full run (~8 min on 2 cores), median of 3 runs
     python bench/run.py --quick      development run (~3 min): 1 run, fewer jobs, a 200k-row table
 
 Prints the table (figures, references measured in the same run, target ratios, PASS/MISS) and writes
