@@ -2,6 +2,9 @@
 about every second, and one PostgreSQL restart in the middle. At the end every job is terminal, every
 effect happened exactly once and nothing was lost.
 
+The jobs arrive in waves, one a second, and each kill lands while a wave is being worked: the workers
+drain thousands of these jobs in a few seconds, so a single backlog would be gone before the chaos began.
+
 It runs on an embedded server of its own, so restarting it disturbs no other test.
 """
 
@@ -27,6 +30,7 @@ from worker_core.producer import enqueue_many
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("chaos"), pytest.mark.timeout(240)]
 
 JOBS = int(os.environ.get("QCONSOLE_CHAOS_JOBS", "5000"))
+WAVES = 10
 DEADLINE_SECONDS = 170
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,13 +74,19 @@ def _kill_random_child(supervisor: subprocess.Popen[bytes], rng: random.Random) 
 
 def test_chaos_exactly_once(chaos_dsn: str) -> None:
     rng = random.Random(1234)
-    with db.connect(chaos_dsn) as conn:
-        results = enqueue_many(
-            conn,
-            [("t.ledger", {"item": f"i{i}"}, {"idempotency_key": f"ledger:{i}"}) for i in range(JOBS)],
-        )
-        conn.commit()
-    assert len({r.id for r in results}) == JOBS
+    size = -(-JOBS // WAVES)
+    waves = [range(start, min(JOBS, start + size)) for start in range(0, JOBS, size)]
+    ids: set[object] = set()
+
+    def enqueue_wave(items: range) -> None:
+        # a connection per wave: the server restart (done by this thread, never during an enqueue) breaks
+        # the previous one
+        with db.connect(chaos_dsn) as conn:
+            results = enqueue_many(
+                conn, [("t.ledger", {"item": f"i{i}"}, {"idempotency_key": f"ledger:{i}"}) for i in items]
+            )
+            conn.commit()
+        ids.update(r.id for r in results)
 
     env = {**os.environ, "QCONSOLE_DSN": chaos_dsn, "PYTHONPATH": str(ROOT)}
     supervisor = subprocess.Popen(
@@ -89,9 +99,12 @@ def test_chaos_exactly_once(chaos_dsn: str) -> None:
     started = time.monotonic()
     try:
         while time.monotonic() - started < DEADLINE_SECONDS:
-            time.sleep(rng.uniform(0.7, 1.3))
+            if waves:
+                enqueue_wave(waves.pop(0))
+            time.sleep(rng.uniform(0.05, 0.3))  # the wave is being worked
             if _kill_random_child(supervisor, rng):
                 kills += 1
+            time.sleep(rng.uniform(0.5, 1.0))
             try:
                 counts = _counts(chaos_dsn)
             except Exception:
@@ -100,7 +113,7 @@ def test_chaos_exactly_once(chaos_dsn: str) -> None:
             if not restarted and done >= JOBS // 3:
                 restart_embedded(chaos_dsn)
                 restarted = True
-            if restarted and done == JOBS:
+            if restarted and not waves and done == JOBS:
                 break
     finally:
         supervisor.send_signal(signal.SIGTERM)
@@ -128,6 +141,7 @@ def test_chaos_exactly_once(chaos_dsn: str) -> None:
         f"{expirations['n']} lease expirations; states={states}; "
         f"lost={lost} duplicated_effects={duplicated['n']} stuck={stuck}"
     )
+    assert len(ids) == JOBS
     assert restarted, "the run ended before the PostgreSQL restart"
     assert kills >= 5, "too few kills to call this chaos"
     assert stuck == 0, f"jobs left unfinished: {states}\n{err.decode()[-3000:]}"
