@@ -80,7 +80,16 @@ class MetricsBuffer:
         rows = self.take()
         if not rows:
             return 0
-        payload = [{"minute": k[0].isoformat(), "queue": k[1], "job_type": k[2], **v} for k, v in sorted(rows.items())]
+        # counters are integers in the table: a float count (1.0) must not fail every later flush
+        payload = [
+            {
+                "minute": k[0].isoformat(),
+                "queue": k[1],
+                "job_type": k[2],
+                **{n: int(x) if n in COUNTERS else x for n, x in v.items()},
+            }
+            for k, v in sorted(rows.items())
+        ]
         try:
             with conn.transaction():
                 conn.execute(queries["metrics_flush"], {"rows": json.dumps(payload)})

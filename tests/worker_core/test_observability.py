@@ -17,6 +17,7 @@ import tests.worker_core.tasks  # noqa: F401 - registers the types, so producers
 from tests.worker_core.helpers import run_burst
 from worker_core import db, stats
 from worker_core.logs import setup_logging
+from worker_core.metrics import MetricsBuffer
 from worker_core.producer import enqueue, enqueue_many
 from worker_core.prometheus import serve_fleet
 
@@ -116,3 +117,13 @@ def test_every_job_log_line_carries_the_job_fields(dsn: str, conn: db.Conn, json
             assert key in line, (key, line)
     flaky = [line for line in about_jobs if line["job_type"] == "t.flaky"]
     assert flaky and all(line["idempotency_key"] == "idem-7" and line["trace_id"] == "trace-7" for line in flaky)
+
+
+def test_a_count_added_as_a_float_is_flushed_as_an_integer(conn: db.Conn) -> None:
+    # the table's counters are bigint: a 1.0 from an aggregate once made every later flush (and the rest
+    # of every heartbeat) fail
+    buffer = MetricsBuffer()
+    buffer.add_many("default", "t.ok", {"started": 2.0, "succeeded": 1.0, "duration_ms_sum": 1.5})
+    assert buffer.flush(conn) == 1
+    row = conn.execute("SELECT started, succeeded, duration_ms_sum FROM job_metrics_minute").fetchone()
+    assert row is not None and (row["started"], row["succeeded"], float(row["duration_ms_sum"])) == (2, 1, 1.5)
