@@ -41,6 +41,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,20 @@ class Group:
     failed: list[tuple[Execution, BaseException]] = field(default_factory=list)
     #: not begun yet
     waiting: list[Execution] = field(default_factory=list)
+    #: settled by the completer, to leave the in-flight set with the group (one lock for all of them)
+    done: list[Execution] = field(default_factory=list)
+    #: the group's metrics, added to the worker's in one call per type when it ends
+    counts: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+
+    def count(self, job: dict[str, Any], values: dict[str, float]) -> None:
+        row = self.counts.setdefault((job["queue"], job["job_type"]), {})
+        for name, value in values.items():
+            row[name] = row.get(name, 0) + value
+
+    def flush_counts(self, metrics: MetricsBuffer) -> None:
+        counts, self.counts = self.counts, {}
+        for (queue, job_type), values in counts.items():
+            metrics.add_many(queue, job_type, values)
 
 
 class HandlerFailure(Exception):
@@ -553,9 +568,13 @@ class Worker:
         self._handler_seconds[job_type] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def _done(self, ex: Execution) -> None:
+        self._done_many((ex,))
+
+    def _done_many(self, executions: Iterable[Execution]) -> None:
         with self._slot_free:
-            if self._in_flight.pop(ex.job["id"], None) is not None and ex.job["ran_solo"]:
-                self._solo_in_flight -= 1
+            for ex in executions:
+                if self._in_flight.pop(ex.job["id"], None) is not None and ex.job["ran_solo"]:
+                    self._solo_in_flight -= 1
             # wake the claimer only when it may claim: not once per job
             if self._may_claim() or not self._in_flight or self.stopping:
                 self._slot_free.notify_all()
@@ -931,9 +950,12 @@ class Slot:
     def _finish(self, ex: Execution, t0: float) -> None:
         job = ex.job
         seconds = (ex.ended or time.monotonic()) - t0
-        duration_ms = seconds * 1000
         self.w.observe_handler(job["job_type"], seconds)
-        self.w.metrics.add_many(job["queue"], job["job_type"], {"duration_ms_sum": duration_ms, **ex.outcome})
+        values = {"duration_ms_sum": seconds * 1000, **ex.outcome}
+        if ex.group is not None:
+            ex.group.count(job, values)
+        else:
+            self.w.metrics.add_many(job["queue"], job["job_type"], values)
         if ex.lock is not None:
             try:
                 self.w.locks.release(self.conn, *ex.lock)
@@ -951,7 +973,10 @@ class Slot:
             w.log.exception("could not settle an abandoned job", extra=job_fields(ex.job))
             self.reset()
         finally:
-            w._done(ex)
+            if ex.group is None:
+                w._done(ex)
+            else:
+                self._leave(ex.group, [ex])
         if ex.group is not None:
             self._give_back_group(ex.group)
 
@@ -959,26 +984,30 @@ class Slot:
         """The group's transaction is lost: its uncommitted successes run again (no attempt counted), its
         failures are settled. If the database cannot be reached, the rest get one try each."""
         self._unreachable = False
+        finished = group.done + group.effects + [other for other, _ in group.failed]
         try:
             for other in group.effects:
-                try:
-                    self.release(other, 0.0)
-                finally:
-                    self.w._done(other)
+                self.release(other, 0.0)
             for other, exc in group.failed:
                 try:
                     self._after_failure(other, exc)
-                    self._finish(other, other.started)
                 finally:
-                    self.w._done(other)
+                    self._finish(other, other.started)
         finally:
             self._unreachable = False
-        group.effects, group.failed = [], []
+            group.done, group.effects, group.failed = [], [], []
+            self._leave(group, finished)
         if group.waiting:  # not begun: they run in a new group
             waiting, group.waiting = group.waiting, []
             self.w._jobs.put(waiting)
 
     # groups -------------------------------------------------------------------------
+
+    def _leave(self, group: Group, finished: list[Execution]) -> None:
+        """Jobs of the group leave the in-flight set, their metrics counted first: once nothing is in
+        flight a burst run ends, and its last metrics flush must include them."""
+        group.flush_counts(self.w.metrics)
+        self.w._done_many(finished)
 
     def run_group(self, jobs: list[Execution]) -> None:
         """Run the jobs one after another in one transaction (see the module docstring)."""
@@ -1008,6 +1037,8 @@ class Slot:
             if current is not None and current not in group.effects and all(f[0] is not current for f in group.failed):
                 group.effects.append(current)
             self._give_back_group(group)
+        finally:
+            group.flush_counts(w.metrics)
 
     def _raw(self, sql: bytes, expect: psycopg.pq.ExecStatus = psycopg.pq.ExecStatus.COMMAND_OK) -> int:
         """Statements (SAVEPOINT...) sent in one round trip straight through libpq: a group's savepoints cost
@@ -1053,7 +1084,7 @@ class Slot:
         task = w.registry.get(job["job_type"])
         assert task is not None  # groupable
         latency_ms = max(0.0, (w.clock.now() - job["scheduled_at"]).total_seconds() * 1000)
-        w.metrics.add_many(job["queue"], job["job_type"], {"started": 1, "latency_ms_sum": latency_ms})
+        group.count(job, {"started": 1, "latency_ms_sum": latency_ms})
         savepoint = f"job{n}".encode()
         opened = False
 
@@ -1104,12 +1135,17 @@ class Slot:
         w.completer.add(ex)
         self._succeeded(ex, idempotency_hit=False)
         self._finish(ex, ex.started)
-        w._done(ex)
+        group.done.append(ex)
 
     def _commit_group(self, group: Group) -> None:
         """One fenced settlement and one commit for the group's effects; then its failures, one by one."""
-        w, conn = self.w, self.conn
+        w = self.w
+        done, group.done = group.done, []
+        self._leave(group, done)  # the completer settles these
         effects = group.effects
+        if not effects and not group.failed:
+            return
+        conn = self.conn
         if effects:
             rows = conn.execute(queries["settle_succeeded_many"], settle_many_params(w, effects)).fetchall()
             if len(rows) < len(effects):
@@ -1131,14 +1167,14 @@ class Slot:
         for ex in effects:
             self._succeeded(ex, idempotency_hit=ex.hit)
             self._finish(ex, ex.started)
-            w._done(ex)
+        self._leave(group, effects)
         failed, group.failed = group.failed, []
         for ex, exc in failed:
             try:
                 self._after_failure(ex, exc)
-                self._finish(ex, ex.started)
             finally:
-                w._done(ex)
+                self._finish(ex, ex.started)
+                self._leave(group, [ex])
 
     def _fence(self, ex: Execution) -> dict[str, Any]:
         return {
