@@ -1311,6 +1311,11 @@ class Slot:
                 raise HandlerFailure(self._cancel_exc(ex))
             if not handler.cancelled() and handler.exception() is not None:
                 raise HandlerFailure(handler.exception())
+            if not ctx.tx_used and not job["idempotency_key"]:
+                # nothing to commit with it: the completer settles it with others, as for sync handlers
+                self.w.completer.add(ex)
+                self._succeeded(ex, idempotency_hit=False)
+                return
             cur = await aconn.execute(queries["settle_succeeded"], self._fence(ex))
             if await cur.fetchone() is None:
                 raise LeaseLost()

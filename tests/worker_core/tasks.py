@@ -116,6 +116,12 @@ async def async_ok(ctx: JobContext, payload: dict[str, Any]) -> None:
         raise TransientError("async failure after write")
 
 
+@worker_core.task("t.async_plain", retry=FAST, reason="tests need fast, bounded retries")
+async def async_plain(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """An async handler with no transactional effect."""
+    await asyncio.sleep(0)
+
+
 @worker_core.task(
     "t.async_slow",
     retry=FAST,

@@ -39,6 +39,15 @@ def test_successes_without_effects_settle_in_batches(dsn: str, conn: db.Conn) ->
     assert sorted(r["item"] for r in ledger(dsn)) == [*(f"e{i}" for i in range(5)), "k"]
 
 
+def test_async_successes_without_effects_settle_in_batches_too(dsn: str, conn: db.Conn) -> None:
+    enqueue_many(conn, [("t.async_plain", {}) for _ in range(20)])
+    enqueue_many(conn, [("t.async_ok", {"item": f"a{i}"}) for i in range(2)])
+    worker = run_burst(dsn, concurrency=2)
+    assert conn.execute("SELECT count(*) AS n FROM job_queue WHERE state = 'succeeded'").fetchone() == {"n": 22}
+    assert worker.completer.flushed == 20  # the two that wrote through ctx.tx committed their own
+    assert sorted(r["item"] for r in ledger(dsn)) == ["a0", "a1"]
+
+
 def test_housekeeping_analyzes_a_queue_table_after_a_burst(conn: db.Conn) -> None:
     enqueue_many(conn, [("t.ok", {}) for _ in range(3000)])
     assert analyze_if_stale(conn) is True
