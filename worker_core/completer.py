@@ -1,0 +1,108 @@
+"""The batch completer: one thread per worker that settles, many per statement, the successes that have
+no effect to commit with them."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import psycopg
+
+from worker_core import db
+from worker_core.execution import Execution, settle_many_params
+from worker_core.sql import queries
+
+if TYPE_CHECKING:
+    from worker_core.worker import Worker
+
+
+class Completer:
+    """Settles, in batches, the successes that have no effect to commit with them (see execution.Slot: a
+    handler that never asked for ``ctx.tx``, no idempotency key).
+
+    A job waits here at most a few milliseconds; if the worker dies first, the job's lease expires and it
+    runs again, which is harmless for a job that wrote nothing transactional and has no idempotency key."""
+
+    FLUSH_SECONDS = 0.005
+    MAX_BATCH = 500
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        #: appended by the slots without a lock (deque appends and pops are atomic)
+        self._pending: collections.deque[Execution] = collections.deque()
+        #: set by the first job of a batch; the completer then gathers for FLUSH_SECONDS
+        self._kick = threading.Event()
+        self._stop = threading.Event()
+        self._exited = threading.Event()
+        self._conn: db.Conn | None = None
+        self._give_up_at = 0.0
+        self.flushed = 0
+
+    def add(self, ex: Execution) -> None:
+        first = not self._pending
+        self._pending.append(ex)
+        if first:
+            self._kick.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Flush what is pending, then end (a job not settled by then runs again after its lease)."""
+        self._give_up_at = time.monotonic() + timeout
+        self._stop.set()
+        self._kick.set()
+        self._exited.wait(timeout)
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _connect(self) -> db.Conn:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = db.connect(self.w.dsn, application_name=self.w.config.application_name)
+        return self._conn
+
+    def run(self) -> None:
+        backoff = 0.05
+        # at once, like the worker's other own connections: where connections are scarce, the slots are
+        # what waits for one, not the settlement of every job
+        with contextlib.suppress(psycopg.Error):
+            self._connect()
+        try:
+            while True:
+                self._kick.wait(1.0)
+                self._kick.clear()
+                stopping = self._stop.is_set()
+                if not stopping:
+                    time.sleep(self.FLUSH_SECONDS)  # let a batch gather
+                while self._pending:
+                    batch = [self._pending.popleft() for _ in range(min(self.MAX_BATCH, len(self._pending)))]
+                    try:
+                        self._flush(batch)
+                        backoff = 0.05
+                    except psycopg.Error as e:
+                        self._conn = None
+                        self._pending.extendleft(reversed(batch))
+                        if stopping and time.monotonic() > self._give_up_at:
+                            self.w.log.warning("completer: %s jobs not settled: they run again", len(self._pending))
+                            return
+                        self.w.log.warning("completer: %s; retrying", db.redact(str(e).strip(), self.w.dsn))
+                        time.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
+                if stopping:
+                    return
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+            self._exited.set()
+
+    def _flush(self, batch: list[Execution]) -> None:
+        conn = self._connect()
+        with conn.transaction():
+            rows = conn.execute(queries["settle_succeeded_many"], settle_many_params(self.w, batch)).fetchall()
+        self.flushed += len(rows)
+        if len(rows) < len(batch):
+            settled = {r["id"] for r in rows}
+            for ex in batch:
+                if ex.job["id"] not in settled:
+                    ex.ctx.logger.warning("job no longer held by this worker: not settled")

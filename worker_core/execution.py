@@ -1,0 +1,740 @@
+"""Running claimed jobs: a slot thread runs a job, or a group of them, and settles it.
+
+Per job (DESIGN.md, "The worker"): lock_key lease, then in one transaction the idempotency record, the
+handler's writes through ``ctx.tx`` and the fenced ``succeeded`` transition. Any failure rolls that
+transaction back and settles the job in a new one: retry with backoff, failed, dead_lettered or cancelled.
+
+Groups: the claimer (worker.Worker._hand_out) hands the claimed sync jobs to the slots in groups sized from
+each type's measured handler time (as many as fit in ``group_seconds``, at most ``group_max``; a type not
+yet measured, or a slow one, goes one job per group so that slow jobs keep their parallelism). A slot runs
+a group's jobs one after another in one transaction, each inside its own savepoint, and commits them with
+one fenced settlement: a failing job rolls back to its savepoint only, and is settled on its own after the
+commit. The exactly-once contract is unchanged (the idempotency record, the effect and the settlement of a
+job still commit together or not at all); only the commits are shared. Jobs with a ``lock_key``, solo
+jobs and async handlers run one per transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from worker_core import db
+from worker_core.context import JobContext
+from worker_core.errors import JobTimeout, LeaseLost, PermanentError, classify
+from worker_core.fingerprint import fingerprint
+from worker_core.locks import lease_seconds, new_token
+from worker_core.logs import job_fields
+from worker_core.metrics import MetricsBuffer
+from worker_core.registry import Task
+from worker_core.retry import RetryPolicy
+from worker_core.sql import queries
+
+if TYPE_CHECKING:
+    from worker_core.worker import Worker
+
+MAX_ERROR_MESSAGE = 2000
+#: an async handler cancels itself at its timeout; the watchdog only steps in when its event loop is stuck
+ASYNC_GRACE_MARGIN = 1.0
+
+
+@dataclass(eq=False)
+class Execution:
+    job: dict[str, Any]
+    ctx: JobContext
+    lock: tuple[str, str] | None = None
+    #: a slot began it (it is no longer waiting in the prefetch buffer)
+    begun: bool = False
+    #: while its handler runs: the slot running it and the (monotonic) deadline the watchdog enforces
+    slot: Slot | None = None
+    deadline: float | None = None
+    #: when the watchdog first saw the handler cancelled (it is abandoned ``cancel_grace`` later)
+    cancel_seen: float | None = None
+    grace_margin: float = 0.0
+    #: the handler never returned: its slot thread was given up and another settles the job
+    abandoned: bool = False
+    #: monotonic time its slot began it
+    started: float = 0.0
+    #: outcome counters, added with its duration when it is done
+    outcome: dict[str, float] = field(default_factory=dict)
+    #: monotonic time its handler returned
+    ended: float = 0.0
+    #: the group it runs in, if any
+    group: Group | None = None
+    #: its idempotency key was already processed: settled without running the handler
+    hit: bool = False
+
+
+@dataclass(eq=False)
+class Group:
+    """The jobs a slot runs in one transaction. Kept where the watchdog's replacement slot finds them if
+    the group's thread gets stuck: it gives back the uncommitted ones and settles the failed ones."""
+
+    #: handler returned, effect (or idempotency hit) waiting for the group's commit
+    effects: list[Execution] = field(default_factory=list)
+    #: failed, rolled back to its savepoint: settled on its own after the commit
+    failed: list[tuple[Execution, BaseException]] = field(default_factory=list)
+    #: not begun yet
+    waiting: list[Execution] = field(default_factory=list)
+    #: settled by the completer, to leave the in-flight set with the group (one lock for all of them)
+    done: list[Execution] = field(default_factory=list)
+    #: the group's metrics, added to the worker's in one call per type when it ends
+    counts: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+
+    def count(self, job: dict[str, Any], values: dict[str, float]) -> None:
+        row = self.counts.setdefault((job["queue"], job["job_type"]), {})
+        for name, value in values.items():
+            row[name] = row.get(name, 0) + value
+
+    def flush_counts(self, metrics: MetricsBuffer) -> None:
+        counts, self.counts = self.counts, {}
+        for (queue, job_type), values in counts.items():
+            metrics.add_many(queue, job_type, values)
+
+
+class HandlerFailure(Exception):
+    """Wraps whatever a handler raised (BaseException included) so it never unwinds the worker."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(repr(exc))
+        self.exc = exc
+
+
+class Abandoned(Exception):
+    """Raised on a slot thread whose handler returned after the watchdog gave up on it: the thread ends,
+    touching nothing (its replacement settled the job)."""
+
+
+class Cancelled(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"job {reason}")
+        self.reason = reason
+
+
+def array_literal(values: Any) -> str:
+    """``{a,b,c}`` for a list of uuids or ints, cast in SQL (``%(ids)s::uuid[]``): for the batches of the hot
+    path, psycopg's per-element list adaptation costs more than the statement."""
+    return "{" + ",".join(map(str, values)) + "}"
+
+
+def settle_many_params(worker: Worker, batch: list[Execution]) -> dict[str, Any]:
+    return {
+        "ids": array_literal([ex.job["id"] for ex in batch]),
+        "attempts": array_literal([ex.job["attempts"] for ex in batch]),
+        "worker": worker.id,
+        "now": worker.clock.now(),
+    }
+
+
+def _is_db_error(exc: BaseException) -> bool:
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+
+
+class Slot:
+    """One unit of concurrency: a connection (and, lazily, an event loop and async connection)."""
+
+    def __init__(self, worker: Worker, index: int) -> None:
+        self.w = worker
+        self.index = index
+        self._conn: db.Conn | None = None
+        #: set while giving a group back, once the database could not be reached (see _write)
+        self._unreachable = False
+        #: the connection worker_core_record_key is prepared on (see _open_with_key)
+        self._prepared_on: db.Conn | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aconn: db.AsyncConn | None = None
+
+    # connections -----------------------------------------------------------------
+
+    @property
+    def conn(self) -> db.Conn:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = db.connect(self.w.dsn, application_name=self.w.config.application_name)
+        return self._conn
+
+    def reset(self) -> None:
+        """Drop the connections: a handler may still hold them (abandoned), or they broke."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.cancel_safe(timeout=1)
+            conn.close()
+        aconn, self._aconn = self._aconn, None
+        if aconn is not None and self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(BaseException):
+                self._loop.run_until_complete(asyncio.wait_for(aconn.close(), 2))
+        self._loop = None
+
+    def close(self) -> None:
+        self.reset()
+
+    def drop_connection(self) -> None:
+        """From the watchdog, while this slot's thread is stuck in a handler: cancel what the connection
+        runs and close it, so the handler can never commit through ``ctx.tx``."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.cancel_safe(timeout=1)
+            conn.close()
+        self._aconn = None  # the stuck thread's event loop owns it; it never commits a cancelled job
+        self._loop = None
+
+    def _rollback(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            try:
+                self._conn.rollback()
+            except psycopg.Error:
+                self.reset()
+
+    # the job -------------------------------------------------------------------
+
+    def run_one(self, ex: Execution) -> None:
+        """A job in a transaction of its own."""
+        try:
+            self.execute(ex)
+        except Abandoned:
+            raise
+        except BaseException:
+            # nothing a job does may take the slot down; the lease heals whatever was left
+            self.w.log.exception("unexpected error around a job", extra=job_fields(ex.job))
+            self.reset()
+        self.w._done(ex)
+
+    def execute(self, ex: Execution) -> None:
+        w, job, ctx = self.w, ex.job, ex.ctx
+        ex.begun = True
+        if ctx.cancelled:
+            # killed, lease lost or shutting down while it waited in the prefetch buffer: never started
+            self._after_failure(ex, self._cancel_exc(ex))
+            return
+        task = w.registry.get(job["job_type"])
+        now = w.clock.now()
+        latency_ms = max(0.0, (now - job["scheduled_at"]).total_seconds() * 1000)
+        w.metrics.add_many(job["queue"], job["job_type"], {"started": 1, "latency_ms_sum": latency_ms})
+        if task is None:  # the claim filters on registered types; only a changed registry gets here
+            self.settle_failure(ex, PermanentError(f"no handler for job type {job['job_type']!r}"))
+            return
+        if job["lock_key"]:
+            token = new_token()
+            ttl = lease_seconds(job["visibility_timeout_seconds"])
+            try:
+                got = w.locks.acquire(self.conn, job["lock_key"], token, ttl, job["id"])
+            except Exception as e:
+                ctx.logger.warning("lock backend failed: %s", e)
+                got = False
+            if not got:
+                w.metrics.add(job["queue"], job["job_type"], "lock_contention")
+                delay = w.config.lock_contention_delay * random.uniform(0.8, 1.5)
+                ctx.logger.info("lock contention on %s: rescheduled in %.1fs", job["lock_key"], delay)
+                w._burst_hold_until = max(w._burst_hold_until, time.monotonic() + delay)
+                self.release(ex, delay)
+                return
+            ex.lock = (job["lock_key"], token)
+        t0 = ex.started = time.monotonic()
+        try:
+            if task.is_async:
+                self._run_async(ex, task)
+            else:
+                self._run_sync(ex, task)
+        except Abandoned:
+            raise
+        except HandlerFailure as f:
+            self._rollback()
+            self._after_failure(ex, f.exc)
+        except LeaseLost:
+            self._rollback()
+            ctx.logger.warning("lease lost to another worker: rolled back, not settled")
+        except psycopg.Error as e:
+            # our own statements failed (database outage): the effect did not commit; give the job back
+            self.reset()
+            ctx.logger.warning("database error around the job: %s", db.redact(str(e).strip(), w.dsn))
+            self.release(ex, 0.0)
+        finally:
+            if not ex.abandoned:  # else the slot that replaces this one finishes the job
+                self._finish(ex, t0)
+
+    def _finish(self, ex: Execution, t0: float) -> None:
+        job = ex.job
+        seconds = (ex.ended or time.monotonic()) - t0
+        self.w.observe_handler(job["job_type"], seconds)
+        values = {"duration_ms_sum": seconds * 1000, **ex.outcome}
+        if ex.group is not None:
+            ex.group.count(job, values)
+        else:
+            self.w.metrics.add_many(job["queue"], job["job_type"], values)
+        if ex.lock is not None:
+            try:
+                self.w.locks.release(self.conn, *ex.lock)
+            except Exception as e:
+                ex.ctx.logger.warning("could not release lock %s: %s (it expires by itself)", ex.lock[0], e)
+
+    def finish_abandoned(self, ex: Execution) -> None:
+        """Settle the job of an abandoned slot thread (timed out, killed, lease lost or shutting down), and
+        the rest of its group: their transaction went with the thread's connection."""
+        w = self.w
+        try:
+            self._after_failure(ex, self._cancel_exc(ex))
+            self._finish(ex, ex.started)
+        except Exception:
+            w.log.exception("could not settle an abandoned job", extra=job_fields(ex.job))
+            self.reset()
+        finally:
+            if ex.group is None:
+                w._done(ex)
+            else:
+                self._leave(ex.group, [ex])
+        if ex.group is not None:
+            self._give_back_group(ex.group)
+
+    def _give_back_group(self, group: Group) -> None:
+        """The group's transaction is lost: its uncommitted successes run again (no attempt counted), its
+        failures are settled. If the database cannot be reached, the rest get one try each."""
+        self._unreachable = False
+        finished = group.done + group.effects + [other for other, _ in group.failed]
+        try:
+            for other in group.effects:
+                self.release(other, 0.0)
+            for other, exc in group.failed:
+                try:
+                    self._after_failure(other, exc)
+                finally:
+                    self._finish(other, other.started)
+        finally:
+            self._unreachable = False
+            group.done, group.effects, group.failed = [], [], []
+            self._leave(group, finished)
+        if group.waiting:  # not begun: they run in a new group
+            waiting, group.waiting = group.waiting, []
+            self.w._jobs.put(waiting)
+
+    # groups -------------------------------------------------------------------------
+
+    def _leave(self, group: Group, finished: list[Execution]) -> None:
+        """Jobs of the group leave the in-flight set, their metrics counted first: once nothing is in
+        flight a burst run ends, and its last metrics flush must include them."""
+        group.flush_counts(self.w.metrics)
+        self.w._done_many(finished)
+
+    def run_group(self, jobs: list[Execution]) -> None:
+        """Run the jobs one after another in one transaction (see the module docstring)."""
+        w = self.w
+        w.groups += 1
+        group = Group(waiting=list(jobs))
+        current: Execution | None = None
+        try:
+            n = 0
+            while group.waiting:
+                current = group.waiting.pop(0)
+                n += 1
+                current.group = group
+                self._run_grouped(current, group, n)
+                current = None
+            self._commit_group(group)
+        except Abandoned:
+            raise
+        except BaseException as e:
+            # one of our own statements failed (the handlers' errors are their jobs' failures), or the
+            # database went away: nothing of the group committed; the job in progress is given back too
+            self.reset()
+            if isinstance(e, psycopg.Error):
+                w.log.warning("database error around a group of jobs: %s", db.redact(str(e).strip(), w.dsn))
+            else:
+                w.log.exception("unexpected error around a group of jobs")
+            if current is not None and current not in group.effects and all(f[0] is not current for f in group.failed):
+                group.effects.append(current)
+            self._give_back_group(group)
+        finally:
+            group.flush_counts(w.metrics)
+
+    def _raw(self, sql: bytes, expect: psycopg.pq.ExecStatus = psycopg.pq.ExecStatus.COMMAND_OK) -> int:
+        """Statements (SAVEPOINT...) sent in one round trip straight through libpq: a group's savepoints cost
+        no more than that round trip. Returns the number of rows of the last statement."""
+        conn = self.conn
+        res = conn.pgconn.exec_(sql)
+        if res.status != expect:
+            if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
+                raise psycopg.errors.error_from_result(res, conn.info.encoding)
+            raise psycopg.OperationalError(f"unexpected result {psycopg.pq.ExecStatus(res.status).name}")
+        return res.ntuples
+
+    def _open_with_key(self, savepoint: bytes, ex: Execution) -> bool:
+        """The job's savepoint and its idempotency record in one round trip, the record through a statement
+        prepared on this connection, its parameters quoted by libpq. True: recorded; False: the key was
+        processed already."""
+        conn = self.conn
+        if self._prepared_on is not conn:
+            self._raw(queries["prepare_record_processed_key"].encode())
+            self._prepared_on = conn
+        job, enc = ex.job, conn.info.encoding
+        quote = psycopg.pq.Escaping(conn.pgconn).escape_literal
+        args = b", ".join(
+            (
+                quote(job["idempotency_key"].encode(enc)),
+                quote(str(job["id"]).encode()),
+                quote(job["job_type"].encode(enc)),
+                quote(self.w.clock.now().isoformat().encode()),
+                repr(float(self.w.config.idempotency_retention_seconds)).encode(),
+            )
+        )
+        begin = b"BEGIN; " if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE else b""
+        sql = begin + b"SAVEPOINT " + savepoint + b"; EXECUTE worker_core_record_key(" + args + b")"
+        return self._raw(sql, psycopg.pq.ExecStatus.TUPLES_OK) == 1
+
+    def _run_grouped(self, ex: Execution, group: Group, n: int) -> None:
+        w, job, ctx = self.w, ex.job, ex.ctx
+        ex.begun = True
+        ex.started = time.monotonic()
+        if ctx.cancelled:  # killed, lease lost or shutting down while it waited in the prefetch buffer
+            group.failed.append((ex, self._cancel_exc(ex)))
+            return
+        task = w.registry.get(job["job_type"])
+        assert task is not None  # groupable
+        latency_ms = max(0.0, (w.clock.now() - job["scheduled_at"]).total_seconds() * 1000)
+        group.count(job, {"started": 1, "latency_ms_sum": latency_ms})
+        savepoint = f"job{n}".encode()
+        opened = False
+
+        def open_savepoint() -> None:
+            nonlocal opened
+            if ex.abandoned:  # its connection was taken away: nothing it does may reach the database
+                raise psycopg.OperationalError("the job was abandoned after its timeout")
+            ctx.tx = self.conn
+            if not opened:
+                if self.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                    self._raw(b"BEGIN; SAVEPOINT " + savepoint)
+                else:
+                    self._raw(b"SAVEPOINT " + savepoint)
+                opened = True
+
+        try:
+            if job["idempotency_key"]:
+                # blocks while another job holding the same key is in its transaction: one effect, ever
+                recorded = self._open_with_key(savepoint, ex)
+                opened = True
+                if not recorded:
+                    ex.hit = True
+                    group.effects.append(ex)
+                    return
+            # the handler's first use of ctx.tx opens its savepoint (and the slot's connection, if need be)
+            ctx._on_tx = open_savepoint
+            self._call_sync(ex, task)
+            status = self.conn.pgconn.transaction_status if opened else None
+            if status == psycopg.pq.TransactionStatus.INERROR:
+                raise HandlerFailure(RuntimeError("the handler swallowed a database error: its transaction is aborted"))
+            if status == psycopg.pq.TransactionStatus.IDLE:
+                ctx.logger.warning(
+                    "the handler ended ctx.tx's transaction itself: what it committed is not settled with it"
+                )
+        except HandlerFailure as f:
+            ex.ended = time.monotonic()
+            if opened:
+                self._raw(b"ROLLBACK TO SAVEPOINT " + savepoint)
+            group.failed.append((ex, f.exc))
+            return
+        ex.ended = time.monotonic()
+        if opened:
+            group.effects.append(ex)
+            return
+        # nothing to commit with it: the completer settles it with others in one statement
+        w.completer.add(ex)
+        self._succeeded(ex, idempotency_hit=False)
+        self._finish(ex, ex.started)
+        group.done.append(ex)
+
+    def _commit_group(self, group: Group) -> None:
+        """One fenced settlement and one commit for the group's effects; then its failures, one by one."""
+        w = self.w
+        done, group.done = group.done, []
+        self._leave(group, done)  # the completer settles these
+        effects = group.effects
+        if not effects and not group.failed:
+            return
+        conn = self.conn
+        if effects:
+            rows = conn.execute(queries["settle_succeeded_many"], settle_many_params(w, effects)).fetchall()
+            if len(rows) < len(effects):
+                # a lease was lost (the worker could not heartbeat for a whole visibility timeout): the
+                # group commits nothing; the jobs still held run again, the others belong to another worker
+                conn.rollback()
+                held = {r["id"] for r in rows}
+                for ex in effects:
+                    if ex.job["id"] not in held:
+                        ex.ctx.logger.warning("lease lost to another worker: rolled back, not settled")
+                        w._done(ex)
+                group.effects = [ex for ex in effects if ex.job["id"] in held]
+                self._give_back_group(group)
+                return
+            conn.commit()
+        elif conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.rollback()  # only failures, rolled back to their savepoints
+        group.effects = []
+        for ex in effects:
+            self._succeeded(ex, idempotency_hit=ex.hit)
+            self._finish(ex, ex.started)
+        self._leave(group, effects)
+        failed, group.failed = group.failed, []
+        for ex, exc in failed:
+            try:
+                self._after_failure(ex, exc)
+            finally:
+                self._finish(ex, ex.started)
+                self._leave(group, [ex])
+
+    def _fence(self, ex: Execution) -> dict[str, Any]:
+        return {
+            "id": ex.job["id"],
+            "attempt": ex.job["attempts"],
+            "worker": self.w.id,
+            "now": self.w.clock.now(),
+        }
+
+    def _idempotency_params(self, ex: Execution) -> dict[str, Any]:
+        return {
+            "key": ex.job["idempotency_key"],
+            "job_id": ex.job["id"],
+            "job_type": ex.job["job_type"],
+            "now": self.w.clock.now(),
+            "retention_seconds": self.w.config.idempotency_retention_seconds,
+        }
+
+    def _succeeded(self, ex: Execution, idempotency_hit: bool) -> None:
+        if idempotency_hit:
+            ex.outcome = {"idempotency_hits": 1, "succeeded": 1}
+            ex.ctx.logger.info("idempotency key already processed: settled without running the handler")
+        else:
+            ex.outcome = {"succeeded": 1}
+            if self.w.log.isEnabledFor(logging.DEBUG):
+                ex.ctx.logger.debug("succeeded")
+
+    def _run_sync(self, ex: Execution, task: Task) -> None:
+        conn = self.conn
+        job = ex.job
+        if job["idempotency_key"]:
+            # blocks while another job holding the same key is in its transaction: one effect, ever
+            if conn.execute(queries["record_processed_key"], self._idempotency_params(ex)).fetchone() is None:
+                if conn.execute(queries["settle_succeeded"], self._fence(ex)).fetchone() is None:
+                    raise LeaseLost()
+                conn.commit()
+                self._succeeded(ex, idempotency_hit=True)
+                return
+        ex.ctx.tx = conn
+        self._call_sync(ex, task)
+        if not ex.ctx.tx_used and not job["idempotency_key"]:
+            # no effect to commit with it: the completer settles it with others in one statement
+            self.w.completer.add(ex)
+            self._succeeded(ex, idempotency_hit=False)
+            return
+        if conn.execute(queries["settle_succeeded"], self._fence(ex)).fetchone() is None:
+            raise LeaseLost()
+        conn.commit()
+        self._succeeded(ex, idempotency_hit=False)
+
+    def _begin_handler(self, ex: Execution, grace_margin: float = 0.0) -> None:
+        """From here the watchdog enforces the job's timeout (see Worker._watchdog_main)."""
+        ex.slot = self
+        ex.cancel_seen = None
+        ex.grace_margin = grace_margin
+        ex.deadline = time.monotonic() + ex.job["timeout_seconds"]
+
+    def _end_handler(self, ex: Execution) -> None:
+        with self.w._exec_lock:
+            ex.deadline = None
+            if ex.abandoned:
+                raise Abandoned()
+
+    def _call_sync(self, ex: Execution, task: Task) -> None:
+        """Run the handler on this thread; the watchdog cancels it at its timeout and abandons this thread
+        if it ignores that (a handler that never returns costs a thread, never the worker)."""
+        ctx = ex.ctx
+        error: BaseException | None = None
+        self._begin_handler(ex)
+        try:
+            task.fn(ctx, ex.job["payload"])
+        except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError... all belong to the job
+            error = e
+        self._end_handler(ex)
+        if error is not None:
+            raise HandlerFailure(error)
+        if ctx.cancelled:
+            raise HandlerFailure(self._cancel_exc(ex))
+
+    def _cancel_exc(self, ex: Execution) -> BaseException:
+        reason = ex.ctx.cancel_reason or "cancelled"
+        if reason == "timeout":
+            return JobTimeout(f"handler ran past its timeout of {ex.job['timeout_seconds']:g}s")
+        return Cancelled(reason)
+
+    # async handlers -------------------------------------------------------------------
+
+    def _run_async(self, ex: Execution, task: Task) -> None:
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        loop = self._loop
+        # the job cancels its own handler at the timeout; the watchdog only steps in if the loop is stuck
+        self._begin_handler(ex, ASYNC_GRACE_MARGIN)
+        try:
+            loop.run_until_complete(self._async_job(ex, task))
+        except (HandlerFailure, LeaseLost, psycopg.Error):
+            raise
+        except BaseException as e:  # a SystemExit escaping a task surfaces here
+            self._loop = None
+            self._aconn = None
+            raise HandlerFailure(e) from None
+        finally:
+            self._end_handler(ex)
+
+    async def _async_job(self, ex: Execution, task: Task) -> None:
+        if self._aconn is None or self._aconn.closed or self._aconn.broken:
+            self._aconn = await db.aconnect(self.w.dsn, application_name=self.w.config.application_name)
+        aconn = self._aconn
+        job, ctx = ex.job, ex.ctx
+        try:
+            if job["idempotency_key"]:
+                cur = await aconn.execute(queries["record_processed_key"], self._idempotency_params(ex))
+                if await cur.fetchone() is None:
+                    cur = await aconn.execute(queries["settle_succeeded"], self._fence(ex))
+                    if await cur.fetchone() is None:
+                        raise LeaseLost()
+                    await aconn.commit()
+                    self._succeeded(ex, idempotency_hit=True)
+                    return
+            ctx.tx = aconn
+            handler = asyncio.ensure_future(task.fn(ctx, job["payload"]))
+            deadline = time.monotonic() + job["timeout_seconds"]
+            while not handler.done():
+                await asyncio.wait({handler}, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+                if handler.done():
+                    break
+                if time.monotonic() >= deadline:
+                    ctx.cancel("timeout")
+                if ctx.cancelled:
+                    handler.cancel()
+                    await asyncio.wait({handler}, timeout=self.w.config.cancel_grace)
+                    break
+            if ctx.cancelled:
+                raise HandlerFailure(self._cancel_exc(ex))
+            if not handler.cancelled() and handler.exception() is not None:
+                raise HandlerFailure(handler.exception())
+            if not ctx.tx_used and not job["idempotency_key"]:
+                # nothing to commit with it: the completer settles it with others, as for sync handlers
+                self.w.completer.add(ex)
+                self._succeeded(ex, idempotency_hit=False)
+                return
+            cur = await aconn.execute(queries["settle_succeeded"], self._fence(ex))
+            if await cur.fetchone() is None:
+                raise LeaseLost()
+            await aconn.commit()
+            self._succeeded(ex, idempotency_hit=False)
+        except BaseException:
+            if not aconn.closed:
+                try:
+                    await aconn.rollback()
+                except psycopg.Error:
+                    await aconn.close()
+            raise
+
+    # settling failures -------------------------------------------------------------------
+
+    def _after_failure(self, ex: Execution, exc: BaseException) -> None:
+        if isinstance(exc, Cancelled):
+            if exc.reason == "lease_lost":
+                ex.ctx.logger.warning("lease lost while running: rolled back, not settled")
+                return
+            if exc.reason == "shutdown":
+                ex.ctx.logger.info("worker shutting down: job released")
+                self.release(ex, 0.0)
+                return
+        self.settle_failure(ex, exc)
+
+    def settle_failure(self, ex: Execution, exc: BaseException) -> str | None:
+        w, job, ctx = self.w, ex.job, ex.ctx
+        now = w.clock.now()
+        attempt, max_attempts = job["attempts"], job["max_attempts"]
+        kind = "cancelled" if isinstance(exc, Cancelled) else classify(exc)
+        scheduled_at = None
+        if kind == "cancelled":
+            state = "cancelled"
+        elif kind == "permanent":
+            state = "failed"
+        elif attempt >= max_attempts:
+            state = "dead_lettered"
+        else:
+            state = "retry_scheduled"
+            retry_in = getattr(exc, "retry_in", None)
+            # claims return the policy as text: decoded only here, on the failure path
+            policy = job["retry_policy"]
+            policy = json.loads(policy) if isinstance(policy, str) else policy
+            delay = retry_in if retry_in is not None else RetryPolicy.from_json(policy).delay(attempt)
+            scheduled_at = now + dt.timedelta(seconds=delay)
+        cls = type(exc).__name__
+        message = str(exc).strip() or repr(exc)
+        message = message[:MAX_ERROR_MESSAGE]
+        error = {
+            "attempt": attempt,
+            "kind": kind,
+            "class": cls,
+            "message": message,
+            "worker": w.id,
+            "at": now.isoformat(),
+        }
+        params = {
+            **self._fence(ex),
+            "state": state,
+            "scheduled_at": scheduled_at,
+            "error": Jsonb(error),
+            "last_error": f"{cls}: {message}",
+            "fingerprint": fingerprint(cls, message),
+        }
+        if not self._write(queries["settle_error"], params, ex):
+            return None
+        q, jt = job["queue"], job["job_type"]
+        if kind == "timeout":
+            w.metrics.add(q, jt, "timeouts")
+        if kind == "unknown":
+            w.metrics.add(q, jt, "anomalies")
+        w.metrics.add(q, jt, {"retry_scheduled": "retried", "cancelled": "cancelled"}.get(state, state))
+        log = ctx.logger.warning if state == "retry_scheduled" else ctx.logger.error
+        log("%s (%s error): %s: %s", state, kind, cls, message, extra={"next_run_at": scheduled_at})
+        return state
+
+    def release(self, ex: Execution, delay: float) -> None:
+        params = {**self._fence(ex), "scheduled_at": self.w.clock.now() + dt.timedelta(seconds=delay)}
+        if self._write(queries["release_job"], params, ex) is False:
+            # refused: another worker holds the job, or an operator killed it before this worker saw the
+            # flag (a shutdown shorter than a heartbeat). A killed job must never run again: settle it
+            # cancelled (fenced too, so a job another worker holds is left alone)
+            self.settle_failure(ex, Cancelled("killed"))
+
+    def _write(self, query: str, params: dict[str, Any], ex: Execution) -> bool | None:
+        """A fenced settlement, retried through a database outage until the job's lease would have run out
+        (after that another worker owns the job and the fence would refuse us anyway). True: written;
+        False: refused by the fence; None: the database could not be reached."""
+        # a group's jobs after one that could not be written get one try each, not a lease's worth of
+        # retries each (their leases expire and another worker takes them)
+        deadline = 0.0 if self._unreachable else time.monotonic() + ex.job["visibility_timeout_seconds"]
+        backoff = 0.1
+        while True:
+            try:
+                with self.conn.transaction():
+                    row = self.conn.execute(query, params).fetchone()
+                if row is None:
+                    ex.ctx.logger.warning("job no longer held by this worker: not settled")
+                return row is not None
+            except psycopg.Error as e:
+                self.reset()
+                if time.monotonic() + backoff > deadline or not _is_db_error(e):
+                    ex.ctx.logger.error("could not settle the job: %s", db.redact(str(e).strip(), self.w.dsn))
+                    self._unreachable = self._unreachable or _is_db_error(e)
+                    return None
+                time.sleep(backoff * random.uniform(0.8, 1.2))
+                backoff = min(backoff * 2, 5.0)
