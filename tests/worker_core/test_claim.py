@@ -16,6 +16,7 @@ from tests.worker_core.helpers import TASKS
 from worker_core import FixedClock, db, enqueue, enqueue_many, ops
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.registry import registry
+from worker_core.sql import queries
 from worker_core.worker import Worker, WorkerConfig
 
 T0 = dt.datetime(2030, 6, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
@@ -226,3 +227,25 @@ def test_kill_flag_and_expired_lease_end_cancelled(conn: db.Conn, claimers: Any)
     assert r["state"] == "cancelled" and r["attempts"] == 1 and not r["cancel_requested"]
     assert r["finished_at"] == T0 + dt.timedelta(seconds=VIS + 1)
     assert rescuer.metrics.totals[("default", "t.ok", "cancelled")] == 1
+
+
+FINISHED_OTHER_TYPES = """
+INSERT INTO job_queue (job_type, queue, payload, state, attempts, max_attempts, scheduled_at, finished_at)
+SELECT 'other.type' || (g %% 4), 'default', '{}', 'succeeded', 1, 5, now() - interval '1 day', now()
+FROM generate_series(1, %(n)s) AS g
+"""
+
+
+def test_a_batch_claim_walks_the_ready_index_in_order_when_the_backlog_is_one_type_among_many(
+    conn: db.Conn, claimers: Any
+) -> None:
+    # a backlog of one type in a table of finished jobs of other types: taken as independent, the state
+    # and type predicates make the planner expect a handful of rows, read the backlog through another index
+    # and sort all of it on every claim. The joint statistics of migration 0008 keep it on the ready index.
+    conn.execute(FINISHED_OTHER_TYPES, {"n": 200_000})
+    seed(conn, 5000)
+    conn.execute("ANALYZE job_queue")
+    w = claimers()
+    explain = "EXPLAIN " + queries["claim"]  # the plan only: nothing is claimed
+    plan = "\n".join(r["QUERY PLAN"] for r in w._conn_for_claims().execute(explain, w._claim_params(96)))
+    assert "job_queue_ready_idx" in plan and "Sort" not in plan, plan
