@@ -170,8 +170,9 @@ def kill(
     message = f"killed by {actor}" + (f": {reason}" if reason else "")
     with conn.transaction():
         ensure_writable(conn)
-        waiting = [r["id"] for r in conn.execute(queries["kill_waiting"], {"ids": ids, "now": now, "message": message})]
-        running = [r["id"] for r in conn.execute(queries["kill_running"], {"ids": ids, "now": now})]
+        rows = conn.execute(queries["kill_jobs"], {"ids": ids, "now": now, "message": message}).fetchall()
+        waiting = [r["id"] for r in rows if r["cancelled"]]
+        running = [r["id"] for r in rows if not r["cancelled"]]
         changed = waiting + running
         audit_id = _audit(
             conn, now, actor, "kill", job_ids=changed, reason=reason,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import getpass
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 
 from tests.conftest import dsn_for
 from tests.worker_core.conftest import EFFECT_TABLES
-from tests.worker_core.helpers import run_burst
+from tests.worker_core.helpers import run_burst, wait_for
 from worker_core import FixedClock, ReadOnlyError, db, enqueue, ops, stats
 from worker_core.models import JobState
 
@@ -242,3 +243,33 @@ def test_an_action_and_its_audit_row_commit_together(dsn: str) -> None:
     with db.connect(dsn, autocommit=True) as c:
         assert stats.get_job(c, j).state is JobState.QUEUED
         assert stats.audit_log(c) == []
+
+
+def test_a_kill_racing_a_worker_that_gives_the_job_back_still_kills_it(dsn: str, conn: db.Conn) -> None:
+    # the worker's release (running -> queued, at shutdown) commits while the kill is in flight: the kill
+    # must cancel the job in whichever state it finds it, not miss it between "waiting" and "running"
+    j = enqueue(conn, "t.ok", {}).id
+    conn.execute("UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'w', locked_until = now() "
+                 "+ interval '1 minute', started_at = now() WHERE id = %s", (j,))  # fmt: skip
+    with db.connect(dsn) as releaser:
+        releaser.execute(
+            "UPDATE job_queue SET state = 'queued', attempts = 0, locked_by = NULL, locked_until = NULL "
+            "WHERE id = %s",
+            (j,),
+        )
+        results: list[ops.ActionResult] = []
+        with db.connect(dsn, autocommit=True) as operator:
+            pid = operator.info.backend_pid
+            killer = threading.Thread(target=lambda: results.append(ops.kill(operator, [j], actor=ops.Actor("oncall"))))
+            killer.start()
+            wait_for(
+                lambda: conn.execute(
+                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+                ).fetchone() == {"wait_event_type": "Lock"},
+                10,
+                what="the kill to wait for the releasing transaction",
+            )
+            releaser.commit()
+            killer.join(10)
+    assert results and results[0].changed == [j]
+    assert conn.execute("SELECT state FROM job_queue WHERE id = %s", (j,)).fetchone() == {"state": "cancelled"}

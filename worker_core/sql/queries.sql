@@ -503,20 +503,24 @@ WHERE j.id = old.id AND j.state IN ('dead_lettered', 'failed', 'cancelled')
         WHERE l.dedup_key = j.dedup_key AND l.state IN ('queued', 'running', 'retry_scheduled')))
 RETURNING j.id, j.queue, j.max_attempts - j.attempts AS budget, old.payload AS old_payload;
 
--- name: kill_waiting
-UPDATE job_queue SET state = 'cancelled', finished_at = %(now)s, updated_at = %(now)s,
-    errors = errors || jsonb_build_array(jsonb_build_object(
+-- name: kill_jobs
+-- Waiting jobs are cancelled now; a running job is flagged, and its worker cancels it within a heartbeat.
+-- One statement for both: a job moving between waiting and running while the operator kills it (a worker
+-- giving it back at shutdown, or claiming it) is killed either way, because under READ COMMITTED a row
+-- updated concurrently is re-checked, and the SET computed, on its newest version. (Two statements missed
+-- a job released between them.) SET expressions read the old row; RETURNING reads the new one.
+UPDATE job_queue SET
+    state = CASE WHEN state = 'running' THEN state ELSE 'cancelled' END,
+    cancel_requested = (state = 'running'),
+    finished_at = CASE WHEN state = 'running' THEN finished_at ELSE %(now)s END,
+    errors = CASE WHEN state = 'running' THEN errors ELSE errors || jsonb_build_array(jsonb_build_object(
         'attempt', attempts, 'kind', 'cancelled', 'class', 'Killed', 'message', %(message)s::text,
-        'worker', NULL, 'at', %(now)s)),
-    last_error = 'Killed: ' || %(message)s::text
-WHERE id = ANY(%(ids)s) AND state IN ('queued', 'retry_scheduled')
-RETURNING id;
-
--- name: kill_running
--- A running job is killed by its worker, which sees the flag within one heartbeat.
-UPDATE job_queue SET cancel_requested = true, updated_at = %(now)s
-WHERE id = ANY(%(ids)s) AND state = 'running' AND NOT cancel_requested
-RETURNING id;
+        'worker', NULL, 'at', %(now)s)) END,
+    last_error = CASE WHEN state = 'running' THEN last_error ELSE 'Killed: ' || %(message)s::text END,
+    updated_at = %(now)s
+WHERE id = ANY(%(ids)s)
+  AND (state IN ('queued', 'retry_scheduled') OR (state = 'running' AND NOT cancel_requested))
+RETURNING id, state = 'cancelled' AS cancelled;
 
 -- name: group_ids
 SELECT id FROM job_queue
