@@ -191,3 +191,24 @@ def test_mixed_workload_through_the_cli_reaches_the_right_final_states(dsn: str,
                                                  "inv-1": 1}  # fmt: skip
     live = conn.execute("SELECT count(*) AS n FROM job_queue WHERE state IN ('queued', 'running', 'retry_scheduled')")
     assert live.fetchone() == {"n": 0}
+
+
+def test_worker_group_flag_sets_how_many_jobs_share_a_transaction(
+    cli: Any, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker_core.worker as worker_module
+
+    seen: list[Any] = []
+    real = worker_module.run_worker
+
+    def observed(config: Any, registry: Any = None) -> int:
+        seen.append(config)
+        return real(config, registry)  # the real worker, on the real database
+
+    monkeypatch.setattr(worker_module, "run_worker", observed)
+    cli("enqueue", "t.ok", "--tasks", "tests.worker_core.tasks")
+    cli("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--poll-interval", "0.1", "--group", "1")
+    cli("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--poll-interval", "0.1")
+    assert [c.group_max for c in seen] == [1, 32]
+    assert conn.execute("SELECT state FROM job_queue").fetchall() == [{"state": "succeeded"}]
+    cli("worker", "--tasks", "tests.worker_core.tasks", "--group", "0", code=2)

@@ -38,6 +38,13 @@ def ledger(ctx: JobContext, payload: dict[str, Any]) -> None:
         raise TransientError("failed after writing")
 
 
+@worker_core.task("t.self_commit", retry=FAST, reason="tests need fast, bounded retries")
+def self_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Misuses ctx.tx: commits it itself."""
+    _ledger(ctx, payload)
+    ctx.tx.commit()
+
+
 @worker_core.task("t.flaky", retry=FAST, max_attempts=5, reason="tests need fast, bounded retries")
 def flaky(ctx: JobContext, payload: dict[str, Any]) -> None:
     if ctx.attempt <= payload.get("fail_times", 1):

@@ -4,10 +4,12 @@ one commit (each in its own savepoint), and planner statistics refreshed by hous
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
 import psycopg
+import pytest
 
 from tests.worker_core.helpers import WorkerThread, config, job, ledger, run_burst, running_worker, state, wait_for
 from worker_core import db, ops
@@ -174,3 +176,13 @@ def test_slots_that_cannot_connect_give_their_jobs_back_and_the_worker_carries_o
         )
         conn.execute(f"DROP OWNED BY {role}")
         conn.execute(f"DROP ROLE {role}")
+
+
+def test_a_handler_that_commits_ctx_tx_itself_is_reported(
+    dsn: str, conn: db.Conn, caplog: pytest.LogCaptureFixture
+) -> None:
+    j = enqueue(conn, "t.self_commit", {"item": "mine"}).id
+    with caplog.at_level(logging.WARNING, logger="worker_core"):
+        run_burst(dsn)
+    assert state(dsn, j) == "succeeded" and [r["item"] for r in ledger(dsn)] == ["mine"]
+    assert any("ended ctx.tx's transaction itself" in r.getMessage() for r in caplog.records)
