@@ -6,8 +6,9 @@ rows are far under autovacuum's analyze threshold on a 1M-row table (50 + 10% of
 planner still believes there is nothing waiting: that is the "stale statistics" phase, what a real
 server sees while a backlog builds. Then ANALYZE, and the same measurements with fresh statistics.
 
-Claim latency (6): ``p50/p99`` of the claim statement (queries.sql "claim", limit 1, client round trip,
-each claim committed), of ``Worker.claim(1)`` (BEGIN + statement + COMMIT, what the worker pays), and of
+Claim latency (6): ``p50/p99`` of the claim statement (queries.sql "claim" as ``Worker._claim_ready`` runs
+it: prepared, generic plan, limit 1, client round trip, each claim committed), of ``Worker.claim(1)``
+(what the worker pays: the claims of every lane), and of
 the claim statement with the batch a worker really asks for at the bench's ``--concurrency``.
 
 Console cost (7): the functions the console calls on a refresh (``stats.overview`` + ``stats.latency_series``
@@ -120,23 +121,26 @@ def build(dsn: str, finished: int, dead: int, waiting: int) -> dict[str, float]:
 
 
 def _claim_statements(worker: Any, limit: int, count: int) -> tuple[list[float], str]:
-    """``count`` claims of ``limit`` jobs by the claim statement alone, on the connection the worker claims
-    with (autocommit: the statement is its own transaction, one round trip); and its plan."""
-    from worker_core.sql import queries
-
+    """``count`` claims of ``limit`` jobs by the claim statement alone (``Worker._claim_ready``: the prepared
+    claim, one round trip), on the connection the worker claims with; and its plan, the generic one the
+    worker runs."""
     conn = worker._conn_for_claims()
+    worker._refresh_claim_filters(conn)
     times: list[float] = []
     for _ in range(count):
-        params = worker._claim_params(limit)
         t0 = time.perf_counter()
-        rows = conn.execute(queries["claim"], params).fetchall()
+        rows = worker._claim_ready(conn, limit)
         times.append((time.perf_counter() - t0) * 1000)
         if not rows:
             raise RuntimeError("the claim found nothing ready")
     plan = ""
     with contextlib.suppress(psycopg.Rollback), conn.transaction():
-        explain = "EXPLAIN (ANALYZE, BUFFERS) " + queries["claim"]
-        plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(explain, worker._claim_params(limit)).fetchall())
+        conn.execute("SET LOCAL plan_cache_mode = force_generic_plan", prepare=False)
+        explain = sql.SQL("EXPLAIN (ANALYZE, BUFFERS) EXECUTE worker_core_claim({}, {})").format(
+            worker.clock.now(), limit
+        )
+        rows = conn.execute(explain, prepare=False).fetchall()
+        plan = "\n".join(r["QUERY PLAN"] for r in rows)
         raise psycopg.Rollback()  # the explained claim claims nothing
     return times, plan
 

@@ -17,20 +17,24 @@ worker_core.completer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue as queue_mod
 import random
+import re
 import signal
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import psycopg
+from psycopg import sql
+from typing_extensions import LiteralString
 
 from worker_core import db, maintenance
 from worker_core.clock import SYSTEM_CLOCK, Clock
@@ -46,6 +50,8 @@ from worker_core.sql import queries
 
 #: how often the watchdog looks at running handlers (timeouts are enforced to within this)
 WATCHDOG_TICK = 0.05
+CLAIM_RUN = queries["claim_run"].encode()
+PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
 
 @dataclass
@@ -122,6 +128,8 @@ class Worker:
         self._handler_seconds: dict[str, float] = {}
         self._threads: list[threading.Thread] = []
         self._claim_conn: db.Conn | None = None
+        #: the filters the claim connection's ``worker_core_claim`` was prepared with, and its quoting
+        self._claim_prepared: tuple[dict[str, Any], Callable[[bytes], bytes]] | None = None
         self._last_housekeeping = 0.0
         #: lease-expired jobs or suspects are waiting: drain, then claim one to run alone
         self._want_solo = True
@@ -233,11 +241,13 @@ class Worker:
     # ------------------------------------------------------------------ claiming
 
     def _claim_params(self, limit: int) -> dict[str, Any]:
+        return {"now": self.clock.now(), "limit": limit, **self._claim_filters()}
+
+    def _claim_filters(self) -> dict[str, Any]:
+        """What a claim's parameters hold besides ``now`` and ``limit``: who claims, and what it may claim."""
         queues = list(self.config.queues or [])
         return {
-            "now": self.clock.now(),
             "worker": self.id,
-            "limit": limit,
             "all_queues": not queues,
             "queues": queues,
             "job_types": self.registry.job_types(),
@@ -254,7 +264,46 @@ class Worker:
             conn.execute(queries["claim_session"], prepare=False)
             conn.prepare_threshold = 0
             self._claim_conn = conn
+            self._claim_prepared = None
         return self._claim_conn
+
+    def _claim_ready(self, conn: db.Conn, limit: int, retry: bool = True) -> list[dict[str, Any]]:
+        """The main claim (queries.sql ``claim``), the one a busy worker runs over and over.
+
+        It is prepared on the claim connection with this worker's filters written in as literals (its job
+        types, queues, the paused queues and the limited types, which change only on a refresh), so that
+        ``now`` and ``limit`` are its only parameters; it then runs with the generic plan, planned once per
+        set of filters instead of once per claim (planning was a third of a claim's time), and that plan
+        still sees the filters: it walks the ready index in order.
+
+        Its commit does not wait for the WAL flush (the other third). That costs no guarantee: the claim
+        only takes a lease, and everything that depends on it commits synchronously later (the effect and
+        the settlement of the job, in one transaction), which flushes the WAL up to and past the claim's
+        commit record. A claim lost to a server crash in the ~200 ms before the WAL writer flushed it
+        leaves the job queued at its previous attempt, where an unflushed lease would have expired: it
+        runs again either way, as a job whose worker died does.
+        """
+        filters = self._claim_filters()
+        if self._claim_prepared is None or self._claim_prepared[0] != filters:
+            params = {name: sql.Literal(value).as_string(conn) for name, value in filters.items()}
+            params.update(now="$1", limit="$2")
+            text = PLACEHOLDER_RE.sub(lambda m: params[m.group(1)], queries["claim"])
+            if self._claim_prepared is not None:
+                with contextlib.suppress(psycopg.errors.InvalidSqlStatementName):  # gone already: see below
+                    conn.execute("DEALLOCATE worker_core_claim", prepare=False)
+            conn.execute(cast(LiteralString, "PREPARE worker_core_claim(timestamptz, int) AS " + text), prepare=False)
+            self._claim_prepared = (filters, psycopg.pq.Escaping(conn.pgconn).escape_literal)
+        now = self._claim_prepared[1](self.clock.now().isoformat().encode())
+        try:
+            cur = conn.execute(CLAIM_RUN.replace(b"%(now)s", now).replace(b"%(limit)s", b"%d" % limit), prepare=False)
+        except psycopg.errors.InvalidSqlStatementName:
+            # psycopg sends DEALLOCATE ALL after a ROLLBACK on the connection: prepare again (nothing was claimed)
+            if not retry:
+                raise
+            self._claim_prepared = None
+            return self._claim_ready(conn, limit, retry=False)
+        cur.nextset()  # past the settings
+        return cur.fetchall()
 
     def claim(self, limit: int) -> list[dict[str, Any]]:
         """Claim up to ``limit`` jobs; returns the rows now ``running`` and held by this worker.
@@ -270,7 +319,7 @@ class Worker:
             rows = conn.execute(queries["claim_solo"], self._claim_params(1)).fetchall()
             self._want_solo = bool(rows)
         if not rows or all(r["state"] != "running" for r in rows):
-            rows += conn.execute(queries["claim"], self._claim_params(limit)).fetchall()
+            rows += self._claim_ready(conn, limit)
             rows += self._claim_limited(conn, limit - len(rows))
         running = []
         for row in rows:

@@ -249,3 +249,48 @@ def test_a_batch_claim_walks_the_ready_index_in_order_when_the_backlog_is_one_ty
     explain = "EXPLAIN " + queries["claim"]  # the plan only: nothing is claimed
     plan = "\n".join(r["QUERY PLAN"] for r in w._conn_for_claims().execute(explain, w._claim_params(96)))
     assert "job_queue_ready_idx" in plan and "Sort" not in plan, plan
+    # and the generic plan the worker runs, planned once with its filters
+    plan = generic_claim_plan(w, 96)
+    assert "job_queue_ready_idx" in plan and "Sort" not in plan and "$1" in plan, plan
+
+
+def generic_claim_plan(w: Worker, limit: int) -> str:
+    """The plan of the worker's prepared claim as it runs it (claims one job to prepare it)."""
+    conn = w._conn_for_claims()
+    w.claim(1)
+    with conn.transaction(force_rollback=True):
+        conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        rows = conn.execute(f"EXPLAIN EXECUTE worker_core_claim(now(), {int(limit)})", prepare=False)
+        return "\n".join(r["QUERY PLAN"] for r in rows)
+
+
+def test_the_claim_is_planned_once_then_runs_its_generic_plan_with_the_filters_written_in(
+    conn: db.Conn, claimers: Any
+) -> None:
+    seed(conn, 6)
+    enqueue(conn, "t.ok", {}, queue="slow")
+    ops.pause(conn, "slow", actor=ops.Actor("tester"))
+    w = claimers()
+    for _ in range(3):
+        assert len(w.claim(2)) == 2
+    stmt = w._conn_for_claims().execute(
+        "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements WHERE name = 'worker_core_claim'"
+    ).fetchone()
+    assert stmt is not None and (stmt["generic_plans"], stmt["custom_plans"]) == (3, 0)
+    assert "'{slow}'" in stmt["statement"] and w.id in stmt["statement"]  # the paused queue, the lease holder
+    # the settings are the claim's own: the connection's other statements are planned per call and commit
+    # synchronously
+    settings = w._conn_for_claims().execute(
+        "SELECT current_setting('plan_cache_mode') AS plan, current_setting('synchronous_commit') AS sync"
+    ).fetchone()
+    assert settings == {"plan": "force_custom_plan", "sync": "on"}
+
+
+def test_the_claim_survives_a_rollback_on_its_connection(conn: db.Conn, claimers: Any) -> None:
+    # psycopg deallocates every prepared statement of a connection after a ROLLBACK there
+    ids = seed(conn, 2)
+    w = claimers()
+    first = [r["id"] for r in w.claim(1)]
+    with w._conn_for_claims().transaction(force_rollback=True):
+        w._conn_for_claims().execute("SELECT 1")
+    assert sorted(first + [r["id"] for r in w.claim(1)]) == sorted(ids)

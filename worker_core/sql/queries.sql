@@ -77,9 +77,17 @@ WHERE j.id = r.id
 RETURNING {{claimed_columns}}, false AS reclaimed
 
 -- name: claim_session
--- The claim connection's settings: prepared statements, planned with each claim's parameters (see
--- Worker._conn_for_claims). The plan's row estimates come from the statistics of migration 0008.
+-- The claim connection's settings: its statements are planned with each call's parameters (see
+-- Worker._conn_for_claims), but for the main claim (claim_run). The plans' row estimates come from the
+-- statistics of migration 0008.
 SET plan_cache_mode = force_custom_plan;
+
+-- name: claim_run
+-- The main claim, prepared by Worker._claim_ready as worker_core_claim(now, limit) with the worker's
+-- filters as literals: run with its generic plan, committed without waiting for the WAL flush (why that
+-- is safe: Worker._claim_ready). Sent as one simple query: the settings hold for its transaction only.
+SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('synchronous_commit', 'off', true);
+EXECUTE worker_core_claim(%(now)s, %(limit)s);
 
 -- name: claim
 WITH ready AS MATERIALIZED (
