@@ -254,6 +254,18 @@ def test_a_batch_claim_walks_the_ready_index_in_order_when_the_backlog_is_one_ty
     assert "job_queue_ready_idx" in plan and "Sort" not in plan and "$1" in plan, plan
 
 
+def test_the_generic_claim_finds_its_rows_by_id_in_a_deep_backlog(conn: db.Conn, claimers: Any) -> None:
+    # a plan that cannot know the LIMIT expects thousands of ready rows: joined to the table, it would
+    # hash all of it on every claim (35 ms at 100,000 jobs instead of 2)
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, scheduled_at, created_at, updated_at) "
+        "SELECT 't.ok', 'default', '{}', now(), now(), now() FROM generate_series(1, 40000)"
+    )
+    conn.execute("ANALYZE job_queue")
+    plan = generic_claim_plan(claimers(), 96)
+    assert "Seq Scan" not in plan and "Hash" not in plan, plan
+
+
 def generic_claim_plan(w: Worker, limit: int) -> str:
     """The plan of the worker's prepared claim as it runs it (claims one job to prepare it)."""
     conn = w._conn_for_claims()

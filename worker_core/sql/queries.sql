@@ -63,7 +63,9 @@ j.visibility_timeout_seconds, j.retry_policy::text AS retry_policy, j.tenant_id,
 j.ran_solo, j.cancel_requested, j.started_at
 
 -- name: fragment_claim_ready
--- The rows of a `ready` CTE become running, held by this worker, at their next attempt.
+-- The rows of a `ready` CTE become running, held by this worker, at their next attempt. Found by id
+-- through the primary key: a plan that cannot know the LIMIT (the prepared claim's generic plan) would
+-- otherwise expect thousands of ready rows and join them by hashing the whole table.
 UPDATE job_queue j SET
     state = 'running',
     attempts = j.attempts + 1,
@@ -72,8 +74,7 @@ UPDATE job_queue j SET
     started_at = %(now)s,
     ran_solo = false,
     updated_at = %(now)s
-FROM ready r
-WHERE j.id = r.id
+WHERE j.id = ANY(ARRAY(SELECT id FROM ready))
 RETURNING {{claimed_columns}}, false AS reclaimed
 
 -- name: claim_session
@@ -84,9 +85,10 @@ SET plan_cache_mode = force_custom_plan;
 
 -- name: claim_run
 -- The main claim, prepared by Worker._claim_ready as worker_core_claim(now, limit) with the worker's
--- filters as literals: run with its generic plan, committed without waiting for the WAL flush (why that
--- is safe: Worker._claim_ready). Sent as one simple query: the settings hold for its transaction only.
-SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('synchronous_commit', 'off', true);
+-- filters as literals: run with its generic plan; an idle worker's claim commits without waiting for the
+-- WAL flush (sync 'off': why that is safe, Worker._claim_ready). Sent as one simple query: the settings
+-- hold for its transaction only.
+SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('synchronous_commit', %(sync)s, true);
 EXECUTE worker_core_claim(%(now)s, %(limit)s);
 
 -- name: claim
