@@ -130,7 +130,7 @@ def array_literal(values: Any) -> str:
 def settle_many_params(worker: Worker, batch: list[Execution]) -> dict[str, Any]:
     return {
         "ids": array_literal([ex.job["id"] for ex in batch]),
-        "attempts": array_literal([ex.job["attempts"] for ex in batch]),
+        "fences": array_literal([f"{ex.job['id']}/{ex.job['attempts']}" for ex in batch]),
         "worker": worker.id,
         "now": worker.clock.now(),
     }

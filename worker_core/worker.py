@@ -34,6 +34,7 @@ from typing import Any, cast
 
 import psycopg
 from psycopg import sql
+from psycopg.types.json import set_json_loads
 from typing_extensions import LiteralString
 
 from worker_core import db, maintenance
@@ -51,6 +52,12 @@ from worker_core.sql import queries
 #: how often the watchdog looks at running handlers (timeouts are enforced to within this)
 WATCHDOG_TICK = 0.05
 CLAIM_RUN = queries["claim_run"].encode()
+
+
+def _loads_utf8(data: str | bytes) -> Any:
+    """The claimed payloads: JSON from the server is UTF-8, and json.loads of bytes guesses the encoding first."""
+    return json.loads(data if isinstance(data, str) else str(data, "utf-8"))
+
 PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
 
@@ -265,6 +272,7 @@ class Worker:
             # cannot see that no queue is paused
             conn.execute(queries["claim_session"], prepare=False)
             conn.prepare_threshold = 0
+            set_json_loads(_loads_utf8, conn)
             self._claim_conn = conn
             self._claim_prepared = None
         return self._claim_conn
@@ -342,7 +350,7 @@ class Worker:
                 )
             elif row["state"] == "cancelled":
                 self.metrics.add(row["queue"], row["job_type"], "cancelled")
-        running.sort(key=lambda r: (r["priority"], r["scheduled_at"], r["id"]))
+        running.sort(key=lambda r: (r["priority"], r["scheduled_at"], r["id"].int))  # ints: UUID.__lt__ is Python
         return running
 
     def _claim_limited(self, conn: db.Conn, free: int) -> list[dict[str, Any]]:

@@ -306,3 +306,28 @@ def test_the_claim_survives_a_rollback_on_its_connection(conn: db.Conn, claimers
     with w._conn_for_claims().transaction(force_rollback=True):
         w._conn_for_claims().execute("SELECT 1")
     assert sorted(first + [r["id"] for r in w.claim(1)]) == sorted(ids)
+
+
+def test_settling_and_heartbeats_find_the_running_jobs_by_id_not_through_the_running_index(
+    conn: db.Conn, claimers: Any
+) -> None:
+    # between vacuums the running index is mostly dead entries of jobs settled since, which its statistics
+    # do not count: a batch settlement that read it took 76 ms for 450 jobs in a 40,000-job drain
+    from worker_core.execution import Execution, array_literal, settle_many_params
+
+    conn.execute(FINISHED_OTHER_TYPES, {"n": 5000})
+    seed(conn, 60)
+    conn.execute("ANALYZE job_queue")  # nothing running, as far as the planner knows
+    w = claimers()
+    claimed = w.claim(50)
+    batch = [Execution(job=r, ctx=None) for r in claimed]  # type: ignore[arg-type]
+    params = settle_many_params(w, batch)
+    beat = {"ids": array_literal([r["id"] for r in claimed]), "worker": w.id, "now": w.clock.now()}
+    for name, args in (("settle_succeeded_many", params), ("heartbeat_jobs", beat)):
+        plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + queries[name], args))
+        assert "job_queue_pkey" in plan and "job_queue_running_idx" not in plan, plan
+    # still fenced per job: one whose attempt moved on is not settled
+    batch[0].job = {**batch[0].job, "attempts": batch[0].job["attempts"] + 1}
+    settled = conn.execute(queries["settle_succeeded_many"], settle_many_params(w, batch)).fetchall()
+    assert {r["id"] for r in settled} == {r["id"] for r in claimed[1:]}
+    assert row(conn, claimed[0]["id"])["state"] == "running"

@@ -239,7 +239,8 @@ SELECT EXISTS (
 UPDATE job_queue SET
     locked_until = %(now)s + make_interval(secs => visibility_timeout_seconds),
     updated_at = %(now)s
-WHERE id = ANY(%(ids)s::uuid[]) AND state = 'running' AND locked_by = %(worker)s
+-- through the primary key, not the running index (see settle_succeeded_many)
+WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE AND locked_by = %(worker)s
 RETURNING id, attempts, cancel_requested;
 
 -- name: record_processed_key
@@ -273,12 +274,14 @@ RETURNING id;
 UPDATE job_queue j SET
     state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, cancel_requested = false,
     suspect = false
--- ids and attempts come as array literals (text): psycopg's per-element list adaptation cost more than the
--- statement for batches of hundreds
-FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d(id, attempt)
--- id = ANY(...) makes it a primary-key look-up: the running index keeps dead entries until vacuum
-WHERE j.id = ANY(%(ids)s::uuid[]) AND j.id = d.id AND j.state = 'running' AND j.attempts = d.attempt
-  AND j.locked_by = %(worker)s
+-- ids and fences ('<id>/<attempt>') come as array literals (text): psycopg's per-element list adaptation
+-- cost more than the statement for batches of hundreds. The fences are matched by hashing.
+-- Found through the primary key. "(state = 'running') IS TRUE" says "state = 'running'" in a form the
+-- planner cannot match to the running index: between vacuums that index holds mostly dead entries of
+-- the jobs settled since, which its statistics do not count, and reading it cost 76 ms per settlement
+-- of 450 jobs in a 40,000-job drain (5 ms through the primary key).
+WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
+  AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[])
 RETURNING j.id;
 
 -- name: settle_error
