@@ -283,6 +283,8 @@ def test_the_claim_is_planned_once_then_runs_its_generic_plan_with_the_filters_w
     enqueue(conn, "t.ok", {}, queue="slow")
     ops.pause(conn, "slow", actor=ops.Actor("tester"))
     w = claimers()
+    # a value neither the claim's nor a server default: the claim's own settings must not outlive it
+    w._conn_for_claims().execute("SET synchronous_commit = remote_write")
     for _ in range(3):
         assert len(w.claim(2)) == 2
     stmt = w._conn_for_claims().execute(
@@ -291,11 +293,11 @@ def test_the_claim_is_planned_once_then_runs_its_generic_plan_with_the_filters_w
     assert stmt is not None and (stmt["generic_plans"], stmt["custom_plans"]) == (3, 0)
     assert "'{slow}'" in stmt["statement"] and w.id in stmt["statement"]  # the paused queue, the lease holder
     # the settings are the claim's own: the connection's other statements are planned per call and commit
-    # synchronously
+    # as the session says
     settings = w._conn_for_claims().execute(
         "SELECT current_setting('plan_cache_mode') AS plan, current_setting('synchronous_commit') AS sync"
     ).fetchone()
-    assert settings == {"plan": "force_custom_plan", "sync": "on"}
+    assert settings == {"plan": "force_custom_plan", "sync": "remote_write"}
 
 
 def test_the_claim_survives_a_rollback_on_its_connection(conn: db.Conn, claimers: Any) -> None:
