@@ -325,7 +325,10 @@ def test_settling_and_heartbeats_find_the_running_jobs_by_id_not_through_the_run
     batch = [Execution(job=r, ctx=None) for r in claimed]  # type: ignore[arg-type]
     params = settle_many_params(w, batch)
     beat = {"ids": array_literal([r["id"] for r in claimed]), "worker": w.id, "now": w.clock.now()}
-    for name, args in (("settle_succeeded_many", params), ("heartbeat_jobs", beat)):
+    one = {"id": claimed[0]["id"], "attempt": claimed[0]["attempts"], "worker": w.id, "now": w.clock.now(),
+           "state": "failed", "scheduled_at": w.clock.now(), "error": "{}", "last_error": "x", "fingerprint": "x"}
+    singles = [(name, one) for name in ("settle_succeeded", "settle_error", "release_job")]
+    for name, args in [("settle_succeeded_many", params), ("heartbeat_jobs", beat), *singles]:
         plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + queries[name], args))
         assert "job_queue_pkey" in plan and "job_queue_running_idx" not in plan, plan
     # still fenced per job: one whose attempt moved on is not settled

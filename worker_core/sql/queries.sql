@@ -262,10 +262,12 @@ RETURNING job_id;
 SELECT job_id FROM processed_keys WHERE idempotency_key = %(key)s;
 
 -- name: settle_succeeded
+-- Every statement that settles or releases named running jobs says "(state = 'running') IS TRUE": through
+-- the primary key, never the running index (see settle_succeeded_many).
 UPDATE job_queue SET
     state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s,
     cancel_requested = false
-WHERE id = %(id)s AND state = 'running' AND attempts = %(attempt)s AND locked_by = %(worker)s
+WHERE id = %(id)s AND (state = 'running') IS TRUE AND attempts = %(attempt)s AND locked_by = %(worker)s
 RETURNING id;
 
 -- name: settle_succeeded_many
@@ -296,7 +298,7 @@ UPDATE job_queue SET
     cancel_requested = false,
     suspect = false,
     updated_at = %(now)s
-WHERE id = %(id)s AND state = 'running' AND attempts = %(attempt)s AND locked_by = %(worker)s
+WHERE id = %(id)s AND (state = 'running') IS TRUE AND attempts = %(attempt)s AND locked_by = %(worker)s
 RETURNING id;
 
 -- name: release_job
@@ -305,7 +307,7 @@ RETURNING id;
 UPDATE job_queue SET
     state = 'queued', attempts = attempts - 1, locked_by = NULL, locked_until = NULL,
     scheduled_at = %(scheduled_at)s, started_at = NULL, updated_at = %(now)s
-WHERE id = %(id)s AND state = 'running' AND attempts = %(attempt)s AND locked_by = %(worker)s
+WHERE id = %(id)s AND (state = 'running') IS TRUE AND attempts = %(attempt)s AND locked_by = %(worker)s
   AND NOT cancel_requested
 RETURNING id;
 
