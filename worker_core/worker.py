@@ -52,13 +52,12 @@ from worker_core.sql import queries
 #: how often the watchdog looks at running handlers (timeouts are enforced to within this)
 WATCHDOG_TICK = 0.05
 CLAIM_RUN = queries["claim_run"].encode()
+PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
 
 def _loads_utf8(data: str | bytes) -> Any:
     """The claimed payloads: JSON from the server is UTF-8, and json.loads of bytes guesses the encoding first."""
     return json.loads(data if isinstance(data, str) else str(data, "utf-8"))
-
-PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
 
 @dataclass
@@ -268,8 +267,9 @@ class Worker:
     def _conn_for_claims(self) -> db.Conn:
         if self._claim_conn is None or self._claim_conn.closed or self._claim_conn.broken:
             conn = db.connect(self.dsn, application_name=self.config.application_name, autocommit=True)
-            # prepared (no parse per claim), but planned with each claim's parameters: a generic plan
-            # cannot see that no queue is paused
+            # its statements are prepared (no parse per call) but planned with each call's parameters (the
+            # solo and limited lanes: a generic plan cannot see that no queue is paused), except the main
+            # claim, prepared with its filters written in (_claim_ready)
             conn.execute(queries["claim_session"], prepare=False)
             conn.prepare_threshold = 0
             set_json_loads(_loads_utf8, conn)

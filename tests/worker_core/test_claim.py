@@ -300,6 +300,28 @@ def test_the_claim_is_planned_once_then_runs_its_generic_plan_with_the_filters_w
     assert settings == {"plan": "force_custom_plan", "sync": "remote_write"}
 
 
+def test_an_idle_workers_claim_skips_the_wal_flush_and_a_claim_through_a_backlog_waits_for_it(
+    conn: db.Conn, claimers: Any
+) -> None:
+    seed(conn, 3)
+    w = claimers()
+    sent: list[bytes] = []
+    claim_conn = w._conn_for_claims()
+    execute = claim_conn.execute
+
+    def spy(query: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(query if isinstance(query, bytes) else b"")
+        return execute(query, *args, **kwargs)
+
+    claim_conn.execute = spy  # type: ignore[method-assign]
+    assert len(w.claim(1)) == 1  # a fresh worker is idle
+    w._backlog = True  # what the claim loop sets after a full batch
+    assert len(w.claim(1)) == 1
+    runs = [q for q in sent if b"EXECUTE worker_core_claim" in q]
+    assert [b"'synchronous_commit', 'off'" in q for q in runs] == [True, False]
+    assert b"'synchronous_commit', 'on'" in runs[1]
+
+
 def test_the_claim_survives_a_rollback_on_its_connection(conn: db.Conn, claimers: Any) -> None:
     # psycopg deallocates every prepared statement of a connection after a ROLLBACK there
     ids = seed(conn, 2)
