@@ -270,3 +270,7 @@ class EmbeddedWorkers:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
                 w.proc.wait(5)
+            with self._lock:
+                # gone: say so now, not when its reader thread gets to the end of its output
+                if w.exit_code is None and w.proc is not None and w.proc.returncode is not None:
+                    w.exit_code = w.proc.returncode
