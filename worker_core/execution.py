@@ -73,6 +73,8 @@ class Execution:
     group: Group | None = None
     #: its idempotency key was already processed: settled without running the handler
     hit: bool = False
+    #: its share of a slot while in flight (Worker.job_load)
+    load: float = 1.0
 
 
 @dataclass(eq=False)

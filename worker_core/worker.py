@@ -51,6 +51,10 @@ from worker_core.sql import queries
 
 #: how often the watchdog looks at running handlers (timeouts are enforced to within this)
 WATCHDOG_TICK = 0.05
+#: full groups of fast jobs a worker may hold beyond its slots' and prefetch's jobs (see Worker.max_in_flight):
+#: in no-op and write drains on 2 cores, 3 x concurrency jobs in flight kept one or two groups running at a
+#: time, and about 8 groups' worth was where throughput stopped rising (bench/README, "What changed")
+GROUPS_IN_FLIGHT = 8
 CLAIM_RUN = queries["claim_run"].encode()
 PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
@@ -75,8 +79,10 @@ class WorkerConfig:
     #: to ~2 jobs (more commits, more load, longer waits); 100 ms keeps fast handlers grouped while a
     #: handler of 100 ms or more (network calls) still runs one per slot, in parallel
     group_seconds: float = 0.1
-    #: jobs claimed ahead of the free slots, so a slot never waits for a claim's round trip (None: twice
-    #: ``concurrency``; 0: claim only for idle slots). Their leases are extended by heartbeats like the rest.
+    #: work claimed ahead of the free slots, so a slot never waits for a claim's round trip (None: twice
+    #: ``concurrency``; 0: claim only for idle slots). Counted like ``concurrency``, in slot loads: a job
+    #: that runs alone is one, a job of a type whose groups hold n jobs is 1/n (Worker.job_load). Their
+    #: leases are extended by heartbeats like the rest.
     prefetch: int | None = None
     poll_interval: float = 1.0
     heartbeat_interval: float = 2.0
@@ -115,8 +121,11 @@ class Worker:
         self.metrics = MetricsBuffer(clock)
         self.completer = Completer(self)
         self.prefetch = 2 * config.concurrency if config.prefetch is None else max(0, config.prefetch)
+        #: in slot loads (see job_load): what the slots run plus the prefetch buffer
         self.capacity = config.concurrency + self.prefetch
-        self.batch_size = config.batch_size or self.capacity
+        #: in jobs: bounds what grouped fast jobs (a small load each) may add up to, and so the claims' size
+        self.max_in_flight = max(self.capacity, GROUPS_IN_FLIGHT * config.group_max)
+        self.batch_size = config.batch_size or self.max_in_flight
         self._stopping = threading.Event()
         #: set once the worker has fully stopped (after the grace period): ends the heartbeat thread, which
         #: keeps extending leases and seeing kills of the jobs that finish during a graceful shutdown
@@ -124,6 +133,10 @@ class Worker:
         self._wake = threading.Event()
         self._slot_free = threading.Condition()
         self._in_flight: dict[uuid.UUID, Execution] = {}
+        #: the in-flight jobs' slot loads, summed (see job_load); guarded by _slot_free like _in_flight
+        self._load = 0.0
+        #: jobs per slot load in the last claim: how many jobs the free load is worth in the next one
+        self._jobs_per_load = 1.0
         #: in-flight jobs that run alone (a lease expired or a suspect): nothing else is claimed meanwhile
         self._solo_in_flight = 0
         #: guards the hand-over between a returning handler and the watchdog abandoning it
@@ -417,9 +430,24 @@ class Worker:
             found = conn.execute(queries["limits_for_types"], {"job_types": self.registry.job_types()}).fetchall()
         self._limits = [(r["job_type"], r["scope"], r["max_running"]) for r in found]
 
-    def _free_slots(self) -> int:
-        """Room for more claimed jobs: the slots plus the prefetch buffer, less what is in flight."""
-        return self.capacity - len(self._in_flight)
+    def job_load(self, job: dict[str, Any]) -> float:
+        """A job's share of a slot: 1 for a job that runs in a transaction of its own, 1/n for a job of a
+        type whose groups hold n (its measured handler time, see _hand_out). A slot running a group of fast
+        jobs is as busy as one running a slow job: counting jobs instead held one or two groups in flight
+        for all the slots."""
+        if not self.groupable_job(job):
+            return 1.0
+        seconds = self._handler_seconds.get(job["job_type"])
+        if seconds is None:
+            return 1.0  # not measured yet: as slow
+        limit = self.config.group_seconds
+        return 1.0 / max(1, min(self.config.group_max, int(limit / seconds) if seconds > 0 else self.config.group_max))
+
+    def _room(self) -> int:
+        """How many more jobs to claim: the free slot load (slots plus prefetch buffer) in jobs, as many
+        per load as the last claim held, within ``max_in_flight``."""
+        by_load = (self.capacity - self._load) * self._jobs_per_load
+        return int(min(by_load + 1e-9, self.max_in_flight - len(self._in_flight)))
 
     def _may_claim(self) -> bool:
         """Not while a job runs alone, nor while draining for one; else when a slot is free."""
@@ -427,9 +455,17 @@ class Worker:
             return False
         if self._want_solo and self._in_flight:
             return False
-        free = self._free_slots()
-        # claim in batches: at once when a slot may idle, else when half the buffer is gone
-        return free > 0 and (len(self._in_flight) < self.config.concurrency or free >= max(1, self.prefetch // 2))
+        room = self._room()
+        if room <= 0:
+            return False
+        # claim in batches: at once when a slot may idle, else when half the buffer's load is free and a
+        # quarter of max_in_flight (grouped jobs: not a claim per finished group)
+        if len(self._in_flight) < self.config.concurrency:
+            return True
+        return (
+            self.capacity - self._load >= max(1, self.prefetch / 2)
+            and self.max_in_flight - len(self._in_flight) >= max(1, self.max_in_flight // 4)
+        )
 
     def _claim_loop(self) -> None:
         backoff = 0.0
@@ -439,7 +475,7 @@ class Worker:
                     self._slot_free.wait(0.5)
             if self.stopping:
                 break
-            limit = min(self._free_slots(), self.batch_size)
+            limit = min(self._room(), self.batch_size)
             self._wake.clear()
             try:
                 rows = self.claim(limit)
@@ -452,7 +488,9 @@ class Worker:
                 continue
             if rows:
                 self.claims += 1
-                self._hand_out([self._dispatch(row) for row in rows])
+                executions = [self._dispatch(row) for row in rows]
+                self._jobs_per_load = len(executions) / sum(ex.load for ex in executions)
+                self._hand_out(executions)
             # a full batch: there is a backlog, and claims wait for the WAL flush (see _claim_ready)
             self._backlog = len(rows) == limit
             if len(rows) == limit or self._want_solo:
@@ -490,9 +528,10 @@ class Worker:
             _make_logger=lambda: self.log.bind(**job_fields(row)),
             dsn=self.dsn,
         )
-        ex = Execution(job=row, ctx=ctx)
+        ex = Execution(job=row, ctx=ctx, load=self.job_load(row))
         with self._slot_free:
             self._in_flight[row["id"]] = ex
+            self._load += ex.load
             if row["ran_solo"]:
                 self._solo_in_flight += 1
         self.claimed_total += 1
@@ -530,8 +569,12 @@ class Worker:
     def _done_many(self, executions: Iterable[Execution]) -> None:
         with self._slot_free:
             for ex in executions:
-                if self._in_flight.pop(ex.job["id"], None) is not None and ex.job["ran_solo"]:
-                    self._solo_in_flight -= 1
+                if self._in_flight.pop(ex.job["id"], None) is not None:
+                    self._load -= ex.load
+                    if ex.job["ran_solo"]:
+                        self._solo_in_flight -= 1
+            if not self._in_flight:
+                self._load = 0.0  # no drift from the float sums
             # wake the claimer only when it may claim: not once per job
             if self._may_claim() or not self._in_flight or self.stopping:
                 self._slot_free.notify_all()
@@ -653,7 +696,9 @@ class Worker:
         slot.close()
 
     def groupable(self, ex: Execution) -> bool:
-        job = ex.job
+        return self.groupable_job(ex.job)
+
+    def groupable_job(self, job: dict[str, Any]) -> bool:
         task = self.registry.get(job["job_type"])
         return (
             self.config.group_max > 1

@@ -5,6 +5,7 @@ one commit (each in its own savepoint), and planner statistics refreshed by hous
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -165,6 +166,54 @@ def test_by_default_a_handler_slowed_by_a_busy_process_is_still_grouped_and_a_ne
         assert group is not None
         sizes.append((group[0].job["job_type"], len(group)))
     assert sizes == [("t.ok", 32), ("t.ok", 8), ("t.slow", 1), ("t.slow", 1)]
+
+
+def _row(job_type: str, lock_key: str | None = None) -> dict[str, Any]:
+    return {"id": uuid.uuid4(), "job_type": job_type, "lock_key": lock_key, "ran_solo": False, "queue": "default",
+            "attempts": 1, "max_attempts": 3, "idempotency_key": None, "trace_id": None, "tenant_id": None}  # fmt: skip
+
+
+def test_a_job_of_a_measured_fast_type_is_a_fraction_of_a_slot(dsn: str) -> None:
+    w = Worker(config(dsn, group_seconds=0.1, group_max=20))
+    w.observe_handler("t.ok", 0.01)  # ten fit the window
+    w.observe_handler("t.slow", 0.5)
+    w.observe_handler("t.async_ok", 0.0001)
+    assert w.job_load(_row("t.ok")) == pytest.approx(1 / 10)
+    assert w.job_load(_row("t.slow")) == 1.0
+    assert w.job_load(_row("t.ledger")) == 1.0  # not measured yet: as slow
+    assert w.job_load(_row("t.ok", lock_key="k")) == 1.0  # runs alone
+    assert w.job_load(_row("t.async_ok")) == 1.0  # async handlers run alone
+    w._handler_seconds["t.ok"] = 0.0
+    assert w.job_load(_row("t.ok")) == pytest.approx(1 / 20)  # at most group_max
+
+
+def test_a_worker_with_one_slot_and_no_prefetch_still_runs_fast_jobs_in_whole_groups(dsn: str, conn: db.Conn) -> None:
+    # counted in jobs, one slot and no prefetch meant one job per claim and per transaction; counted in slot
+    # loads, the slot's load is a whole group of them
+    ids = [enqueue(conn, "t.ledger", {"item": f"i{i}"}, idempotency_key=f"w{i}").id for i in range(40)]
+    wt = WorkerThread(dsn, concurrency=1, prefetch=0, group_seconds=10.0, group_max=10)
+    wt.worker.observe_handler("t.ledger", 0.01)
+    assert wt.start().join(60) == 0
+    w = wt.worker
+    assert all(state(dsn, j) == "succeeded" for j in ids)
+    assert len(ledger(dsn)) == 40
+    # the first claim takes one job (nothing claimed yet says how many make a load), then a group at a time
+    assert w.claims <= 6 and w.groups <= 6, (w.claims, w.groups)
+    assert not w._in_flight and w._load == 0.0
+
+
+def test_slow_jobs_are_never_claimed_beyond_the_slots_and_the_prefetch(dsn: str, conn: db.Conn) -> None:
+    # grouped fast jobs may fill max_in_flight; jobs that run one per slot still count one each, so a worker
+    # does not hold slow jobs that other workers could run
+    enqueue_many(conn, [("t.slow", {"seconds": 0.3}) for _ in range(12)])
+    with running_worker(dsn, concurrency=2, prefetch=2) as w:
+        wait_for(lambda: w.claimed_total >= 4, timeout=10)
+        held = []
+        for _ in range(20):
+            held.append(len(w._in_flight))
+            time.sleep(0.05)
+        assert max(held) <= 4
+        assert w.max_in_flight >= 32  # what grouped fast jobs could have filled
 
 
 def test_slots_that_cannot_connect_give_their_jobs_back_and_the_worker_carries_on(dsn: str, conn: db.Conn) -> None:
