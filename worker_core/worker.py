@@ -145,6 +145,8 @@ class Worker:
         self._jobs: queue_mod.SimpleQueue[list[Execution] | None] = queue_mod.SimpleQueue()
         #: moving average of each job type's handler time (seconds): how many of its jobs make a group
         self._handler_seconds: dict[str, float] = {}
+        #: the slot load of a job of each measured type that runs in groups (see job_load)
+        self._type_load: dict[str, float] = {}
         self._threads: list[threading.Thread] = []
         self._claim_conn: db.Conn | None = None
         #: the last claim found as many jobs as it asked for: the next waits for the WAL flush
@@ -435,13 +437,9 @@ class Worker:
         type whose groups hold n (its measured handler time, see _hand_out). A slot running a group of fast
         jobs is as busy as one running a slow job: counting jobs instead held one or two groups in flight
         for all the slots."""
-        if not self.groupable_job(job):
+        if job["lock_key"] or job["ran_solo"]:
             return 1.0
-        seconds = self._handler_seconds.get(job["job_type"])
-        if seconds is None:
-            return 1.0  # not measured yet: as slow
-        limit = self.config.group_seconds
-        return 1.0 / max(1, min(self.config.group_max, int(limit / seconds) if seconds > 0 else self.config.group_max))
+        return self._type_load.get(job["job_type"], 1.0)  # a type not measured yet counts as slow
 
     def _room(self) -> int:
         """How many more jobs to claim: the free slot load (slots plus prefetch buffer) in jobs, as many
@@ -561,7 +559,12 @@ class Worker:
 
     def observe_handler(self, job_type: str, seconds: float) -> None:
         old = self._handler_seconds.get(job_type)
-        self._handler_seconds[job_type] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        seconds = self._handler_seconds[job_type] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        task = self.registry.get(job_type)
+        if self.config.group_max > 1 and task is not None and not task.is_async:
+            # as many as _hand_out puts in a group
+            fit = int(self.config.group_seconds / seconds) if seconds > 0 else self.config.group_max
+            self._type_load[job_type] = 1.0 / max(1, min(self.config.group_max, fit))
 
     def _done(self, ex: Execution) -> None:
         self._done_many((ex,))
@@ -696,9 +699,7 @@ class Worker:
         slot.close()
 
     def groupable(self, ex: Execution) -> bool:
-        return self.groupable_job(ex.job)
-
-    def groupable_job(self, job: dict[str, Any]) -> bool:
+        job = ex.job
         task = self.registry.get(job["job_type"])
         return (
             self.config.group_max > 1

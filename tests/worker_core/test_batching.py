@@ -183,8 +183,12 @@ def test_a_job_of_a_measured_fast_type_is_a_fraction_of_a_slot(dsn: str) -> None
     assert w.job_load(_row("t.ledger")) == 1.0  # not measured yet: as slow
     assert w.job_load(_row("t.ok", lock_key="k")) == 1.0  # runs alone
     assert w.job_load(_row("t.async_ok")) == 1.0  # async handlers run alone
-    w._handler_seconds["t.ok"] = 0.0
-    assert w.job_load(_row("t.ok")) == pytest.approx(1 / 20)  # at most group_max
+    instant = Worker(config(dsn, group_seconds=0.1, group_max=20))
+    instant.observe_handler("t.ok", 0.0)
+    assert instant.job_load(_row("t.ok")) == pytest.approx(1 / 20)  # at most group_max
+    ungrouped = Worker(config(dsn, group_max=1))
+    ungrouped.observe_handler("t.ok", 0.0001)
+    assert ungrouped.job_load(_row("t.ok")) == 1.0
 
 
 def test_a_worker_with_one_slot_and_no_prefetch_still_runs_fast_jobs_in_whole_groups(dsn: str, conn: db.Conn) -> None:
