@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from worker_core.worker import Worker
 
 MAX_ERROR_MESSAGE = 2000
+RECORD_GROUP_KEYS = queries["record_group_keys"].encode()
+FORGET_GROUP_KEY = queries["forget_group_key"].encode()
 #: an async handler cancels itself at its timeout; the watchdog only steps in when its event loop is stuck
 ASYNC_GRACE_MARGIN = 1.0
 
@@ -75,6 +77,11 @@ class Execution:
     hit: bool = False
     #: its share of a slot while in flight (Worker.job_load)
     load: float = 1.0
+    #: its idempotency record was written by its group's first statement (Slot._record_group_keys): the
+    #: record is not in its savepoint, and a failure deletes it
+    key_recorded: bool = False
+    #: its group's first statement found its key processed already
+    key_hit: bool = False
 
 
 @dataclass(eq=False)
@@ -334,6 +341,7 @@ class Slot:
         group = Group(waiting=list(jobs))
         current: Execution | None = None
         try:
+            self._record_group_keys(group.waiting)
             n = 0
             while group.waiting:
                 current = group.waiting.pop(0)
@@ -361,13 +369,68 @@ class Slot:
     def _raw(self, sql: bytes, expect: psycopg.pq.ExecStatus = psycopg.pq.ExecStatus.COMMAND_OK) -> int:
         """Statements (SAVEPOINT...) sent in one round trip straight through libpq: a group's savepoints cost
         no more than that round trip. Returns the number of rows of the last statement."""
+        return self._exec(sql, expect).ntuples
+
+    def _exec(self, sql: bytes, expect: psycopg.pq.ExecStatus) -> psycopg.pq.abc.PGresult:
+        """_raw, returning the last statement's result."""
         conn = self.conn
         res = conn.pgconn.exec_(sql)
         if res.status != expect:
             if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
                 raise psycopg.errors.error_from_result(res, conn.info.encoding)
             raise psycopg.OperationalError(f"unexpected result {psycopg.pq.ExecStatus(res.status).name}")
-        return res.ntuples
+        return res
+
+    def _record_group_keys(self, jobs: list[Execution]) -> None:
+        """The idempotency records of a group's jobs in one statement, in the round trip that begins its
+        transaction (queries.sql ``record_group_keys``): a job then costs its savepoint and its handler's
+        statements, not a round trip more for its record. A key that comes twice in the group is recorded by
+        its later jobs one by one (_open_with_key): whether it is a hit depends on how the first one ends."""
+        first: dict[str, Execution] = {}
+        for ex in jobs:
+            # a job given back from a lost group comes here again: what that group recorded is gone
+            ex.key_recorded = ex.key_hit = False
+            key = ex.job["idempotency_key"]
+            if key and key not in first and not ex.ctx.cancelled:
+                first[key] = ex
+        if len(first) < 2:
+            return  # one key: _open_with_key records it in its savepoint's round trip
+        conn = self.conn
+        enc = conn.info.encoding
+        quote = psycopg.pq.Escaping(conn.pgconn).escape_literal
+        rows = b", ".join(
+            b"(%s, '%s', %s)" % (quote(key.encode(enc)), str(ex.job["id"]).encode(), quote(job_type.encode(enc)))
+            for key, ex in first.items()
+            for job_type in (ex.job["job_type"],)
+        )
+        sql = (
+            RECORD_GROUP_KEYS.replace(b"%(rows)s", rows)
+            .replace(b"%(now)s", quote(self.w.clock.now().isoformat().encode()))
+            .replace(b"%(retention_seconds)s", repr(float(self.w.config.idempotency_retention_seconds)).encode())
+        )
+        begin = b"BEGIN; " if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE else b""
+        res = self._exec(begin + sql, psycopg.pq.ExecStatus.TUPLES_OK)
+        recorded = {res.get_value(i, 0) for i in range(res.ntuples)}
+        for ex in first.values():
+            if str(ex.job["id"]).encode() in recorded:
+                ex.key_recorded = True
+            else:
+                ex.key_hit = True
+
+    def _forget_key(self, ex: Execution, rollback_to: bytes | None) -> None:
+        """A grouped job failed: roll back to its savepoint, if it opened one, and delete the record its
+        group wrote for it (not in its savepoint), in one round trip."""
+        sql = [b"ROLLBACK TO SAVEPOINT " + rollback_to] if rollback_to else []
+        if ex.key_recorded:
+            conn = self.conn
+            quote = psycopg.pq.Escaping(conn.pgconn).escape_literal
+            sql.append(
+                FORGET_GROUP_KEY.replace(b"%(key)s", quote(ex.job["idempotency_key"].encode(conn.info.encoding)))
+                .replace(b"%(job_id)s", quote(str(ex.job["id"]).encode()))
+            )
+            ex.key_recorded = False
+        if sql:
+            self._raw(b"; ".join(sql))
 
     def _open_with_key(self, savepoint: bytes, ex: Execution) -> bool:
         """The job's savepoint and its idempotency record in one round trip, the record through a statement
@@ -397,6 +460,7 @@ class Slot:
         ex.begun = True
         ex.started = time.monotonic()
         if ctx.cancelled:  # killed, lease lost or shutting down while it waited in the prefetch buffer
+            self._forget_key(ex, None)
             group.failed.append((ex, self._cancel_exc(ex)))
             return
         task = w.registry.get(job["job_type"])
@@ -419,7 +483,11 @@ class Slot:
                 opened = True
 
         try:
-            if job["idempotency_key"]:
+            if ex.key_hit:  # found processed by the group's first statement
+                ex.hit = True
+                group.effects.append(ex)
+                return
+            if job["idempotency_key"] and not ex.key_recorded:
                 # blocks while another job holding the same key is in its transaction: one effect, ever
                 recorded = self._open_with_key(savepoint, ex)
                 opened = True
@@ -439,12 +507,11 @@ class Slot:
                 )
         except HandlerFailure as f:
             ex.ended = time.monotonic()
-            if opened:
-                self._raw(b"ROLLBACK TO SAVEPOINT " + savepoint)
+            self._forget_key(ex, savepoint if opened else None)
             group.failed.append((ex, f.exc))
             return
         ex.ended = time.monotonic()
-        if opened:
+        if opened or ex.key_recorded:
             group.effects.append(ex)
             return
         # nothing to commit with it: the completer settles it with others in one statement

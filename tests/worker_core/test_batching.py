@@ -5,6 +5,7 @@ one commit (each in its own savepoint), and planner statistics refreshed by hous
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 
 from tests.worker_core.helpers import WorkerThread, config, job, ledger, run_burst, running_worker, state, wait_for
 from worker_core import db, ops
+from worker_core.execution import Slot
 from worker_core.maintenance import analyze_if_stale
 from worker_core.producer import enqueue, enqueue_many
 from worker_core.worker import Worker
@@ -105,6 +107,56 @@ def test_a_key_processed_earlier_in_the_same_group_is_a_hit(dsn: str, conn: db.C
     assert state(dsn, first) == state(dsn, again) == "succeeded"
     assert [r["item"] for r in ledger(dsn)] == ["once"]
     assert finished(conn, [first])[0] == finished(conn, [again])[0]  # one group
+
+
+def processed(conn: db.Conn) -> dict[str, Any]:
+    rows = conn.execute("SELECT idempotency_key, job_id, processed_at FROM processed_keys").fetchall()
+    return {r["idempotency_key"]: r for r in rows}
+
+
+def test_a_group_records_its_keys_in_one_statement_and_finds_the_processed_ones(dsn: str, conn: db.Conn) -> None:
+    earlier = enqueue(conn, "t.ledger", {"item": "earlier"}, idempotency_key="done").id
+    run_grouped(dsn)
+    ids = [enqueue(conn, "t.ledger", {"item": f"i{i}"}, idempotency_key=f"b{i}", priority=i).id for i in range(4)]
+    again = enqueue(conn, "t.ledger", {"item": "again"}, idempotency_key="done", priority=9).id
+    run_grouped(dsn)
+    assert all(state(dsn, j) == "succeeded" for j in [*ids, again])
+    assert sorted(r["item"] for r in ledger(dsn)) == ["earlier", "i0", "i1", "i2", "i3"]  # "again" was a hit
+    keys = processed(conn)
+    assert keys["done"]["job_id"] == earlier
+    assert [keys[f"b{i}"]["job_id"] for i in range(4)] == ids
+    # one statement, one clock reading: a record per job would each have read the clock
+    assert len({keys[f"b{i}"]["processed_at"] for i in range(4)}) == 1
+
+
+def test_a_key_twice_in_a_group_whose_first_job_fails_goes_to_the_second(dsn: str, conn: db.Conn) -> None:
+    # the group's statement records x for the first job; it fails, so its record goes with its rollback and
+    # the second job with x records it and runs; the first job's retry is then a hit
+    first = enqueue(conn, "t.ledger", {"item": "x-first", "fail_after_write": 1}, idempotency_key="x", priority=0).id
+    other = enqueue(conn, "t.ledger", {"item": "y"}, idempotency_key="y", priority=1).id
+    second = enqueue(conn, "t.ledger", {"item": "x-second"}, idempotency_key="x", priority=2).id
+    run_grouped(dsn)
+    assert sorted((r["item"], r["attempt"]) for r in ledger(dsn)) == [("x-second", 1), ("y", 1)]
+    assert (job(dsn, first)["state"], job(dsn, first)["attempts"]) == ("succeeded", 2)
+    assert state(dsn, other) == state(dsn, second) == "succeeded"
+    assert processed(conn)["x"]["job_id"] == second
+
+
+def test_a_grouped_job_killed_before_it_began_leaves_no_idempotency_record(dsn: str, conn: db.Conn) -> None:
+    # the group's first statement recorded all three keys; the second job is killed while the first runs
+    payloads = [{"item": "k0", "sleep": 0.6}, {"item": "k1"}, {"item": "k2"}]
+    ids = [enqueue(conn, "t.ledger", p, idempotency_key=f"k{i}", priority=i).id for i, p in enumerate(payloads)]
+    w = Worker(config(dsn))
+    executions = [w._dispatch(r) for r in w.claim(10)]
+    assert [ex.job["id"] for ex in executions] == ids
+    # as the heartbeat does when an operator kills it
+    killer = threading.Timer(0.2, executions[1].ctx.cancel, args=("killed",))
+    killer.start()
+    Slot(w, 0).run_group(executions)
+    killer.join()
+    assert [state(dsn, j) for j in ids] == ["succeeded", "cancelled", "succeeded"]
+    assert sorted(processed(conn)) == ["k0", "k2"]
+    assert sorted(r["item"] for r in ledger(dsn)) == ["k0", "k2"]
 
 
 def test_grouping_can_be_turned_off(dsn: str, conn: db.Conn) -> None:

@@ -258,6 +258,22 @@ VALUES ($1, $2, $3, $4, $4 + make_interval(secs => $5))
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING job_id;
 
+-- name: record_group_keys
+-- The idempotency records of a group's jobs, in one statement at the start of its transaction (worker.
+-- Slot._record_group_keys), each row written in by the worker as quoted literals: (key, job id, type).
+-- In key order, so that two groups wanting the same keys wait for each other rather than deadlock. A key
+-- not returned was processed already (a hit). A job that fails has its record deleted with its rollback.
+INSERT INTO processed_keys (idempotency_key, job_id, job_type, processed_at, expires_at)
+SELECT k, id::uuid, t, %(now)s, %(now)s::timestamptz + make_interval(secs => %(retention_seconds)s)
+FROM (VALUES %(rows)s) AS v(k, id, t)
+ORDER BY k
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING job_id;
+
+-- name: forget_group_key
+-- A grouped job that failed or was cancelled gives back the idempotency record its group wrote for it.
+DELETE FROM processed_keys WHERE idempotency_key = %(key)s AND job_id = %(job_id)s;
+
 -- name: processed_key_owner
 SELECT job_id FROM processed_keys WHERE idempotency_key = %(key)s;
 
