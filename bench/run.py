@@ -59,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, help="rounds of every throughput/pgbench/pickup figure (median); default 3")
     p.add_argument("--jobs", type=int, help="jobs per drain, qconsole and pgqueuer (default 20,000)")
     p.add_argument("--peer-jobs", type=int, help="jobs per procrastinate drain (default 5,000: it runs ~500/s)")
-    p.add_argument("--qc-concurrency", type=int, default=32, help="qconsole slots per worker process (default 32)")
+    p.add_argument(
+        "--qc-concurrency", type=int, default=4, help="qconsole slots per worker process (default 4, the CLI's)"
+    )
     p.add_argument("--pgbench-seconds", type=int, help="-T of each pgbench figure (default 5)")
     p.add_argument("--pickup-jobs", type=int, help="jobs 50 ms apart per pickup measurement (default 200)")
     p.add_argument("--rows", type=int, help="finished rows of the claim/console table (default 1,000,000)")
