@@ -17,6 +17,8 @@ from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
 from worker_core.errors import NotFound
 from worker_core.models import (
+    FINAL_STATES,
+    WAITING_STATES,
     AuditEntry,
     DeadLetterGroup,
     Job,
@@ -174,6 +176,14 @@ def job_lock(conn: Conn, job_id: uuid.UUID) -> dict[str, Any] | None:
 
 
 _JOB_COLUMNS = sql.SQL(", ").join(sql.Identifier(c) for c in Job.__dataclass_fields__)
+#: list_jobs' sources, each read newest first through an index: waiting jobs (job_queue_waiting_updated_idx),
+#: running ones (as many as the workers hold: sorted), finished ones by when they finished
+#: (job_queue_finished_idx; for them updated_at is finished_at)
+_ACTIVITY_SOURCES: tuple[tuple[tuple[JobState, ...], str], ...] = (
+    (WAITING_STATES, "updated_at DESC"),
+    ((JobState.RUNNING,), "updated_at DESC"),
+    (FINAL_STATES, "finished_at DESC"),
+)
 
 
 def list_jobs(
@@ -187,6 +197,20 @@ def list_jobs(
 ) -> list[Job]:
     """Jobs by filter, newest activity first. ``search`` matches an id prefix, idempotency or dedup key,
     or the error text. Every value is a bound parameter."""
+    query, params = list_jobs_query(state=state, job_type=job_type, queue=queue, search=search, limit=limit)
+    return [Job.from_row(r) for r in conn.execute(query, params)]
+
+
+def list_jobs_query(
+    *,
+    state: str | JobState | None = None,
+    job_type: str | None = None,
+    queue: str | None = None,
+    search: str | None = None,
+    limit: int = 100,
+) -> tuple[sql.Composed, dict[str, Any]]:
+    """list_jobs' statement and parameters. No index holds every row version by updated_at (migration
+    0009): it takes the newest of each of _ACTIVITY_SOURCES, each through its index, and merges them."""
     where: list[sql.Composable] = []
     params: dict[str, Any] = {"limit": max(1, min(int(limit), 10_000))}
     if state:
@@ -210,11 +234,20 @@ def list_jobs(
                 " OR lock_key = %(search)s OR last_error ILIKE %(like)s)"
             )
         )
-    query = sql.SQL("SELECT {cols} FROM job_queue {where} ORDER BY updated_at DESC, id LIMIT %(limit)s").format(
-        cols=_JOB_COLUMNS,
-        where=sql.SQL("WHERE ") + sql.SQL(" AND ").join(where) if where else sql.SQL(""),
+    branches = []
+    for states, order in _ACTIVITY_SOURCES:
+        if state and JobState(state) not in states:
+            continue
+        in_states = sql.SQL("state IN ({})").format(sql.SQL(", ").join(sql.Literal(s.value) for s in states))
+        branches.append(
+            sql.SQL("(SELECT {cols} FROM job_queue WHERE {where} ORDER BY {order} LIMIT %(limit)s)").format(
+                cols=_JOB_COLUMNS, where=sql.SQL(" AND ").join([in_states, *where]), order=sql.SQL(order)
+            )
+        )
+    query = sql.SQL("SELECT {cols} FROM ({branches}) AS j ORDER BY updated_at DESC, id LIMIT %(limit)s").format(
+        cols=_JOB_COLUMNS, branches=sql.SQL(" UNION ALL ").join(branches)
     )
-    return [Job.from_row(r) for r in conn.execute(query, params)]
+    return query, params
 
 
 def dead_letter_groups(

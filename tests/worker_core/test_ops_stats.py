@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from tests.conftest import dsn_for
 from tests.worker_core.conftest import EFFECT_TABLES
@@ -112,6 +113,43 @@ def test_list_jobs_filters(wconn: db.Conn, workload: dict[str, Any]) -> None:
     assert stats.list_jobs(wconn, state="queued", job_type="t.permanent") == []
     with pytest.raises(ValueError):
         stats.list_jobs(wconn, state="paused")
+
+
+def test_list_jobs_is_newest_activity_first_across_waiting_running_and_finished_jobs(conn: db.Conn) -> None:
+    at = [NOW + dt.timedelta(seconds=s) for s in range(6)]
+    ids = [enqueue(conn, "t.ok", {"n": i}, clock=FixedClock(at[0])).id for i in range(6)]
+    # what each job's last transition left: (state, updated_at, finished_at)
+    rows = [
+        ("succeeded", at[1], at[1]),
+        ("running", at[2], None),
+        ("queued", at[3], None),
+        ("dead_lettered", at[4], at[4]),
+        ("retry_scheduled", at[5], None),
+        ("cancelled", at[0], at[0]),
+    ]
+    for j, (state, updated, finished) in zip(ids, rows, strict=True):
+        conn.execute(
+            "UPDATE job_queue SET state = %s, updated_at = %s, finished_at = %s WHERE id = %s",
+            (state, updated, finished, j),
+        )
+    newest_first = [ids[4], ids[3], ids[2], ids[1], ids[0], ids[5]]
+    assert [j.id for j in stats.list_jobs(conn)] == newest_first
+    assert [j.id for j in stats.list_jobs(conn, limit=3)] == newest_first[:3]
+    assert [j.id for j in stats.list_jobs(conn, state="running")] == [ids[1]]
+    assert [j.id for j in stats.list_jobs(conn, state="cancelled")] == [ids[5]]
+
+
+def test_list_jobs_reads_each_source_through_its_index(conn: db.Conn) -> None:
+    # no index over every row version by updated_at (each claim and settlement would write to it): the
+    # waiting and finished jobs are read newest first through partial indexes, never by sorting the table
+    assert conn.execute("SELECT to_regclass('job_queue_updated_idx') AS i").fetchone() == {"i": None}
+    query, params = stats.list_jobs_query(limit=200)
+    conn.execute("SET enable_seqscan = off")  # a table this small would be read whole
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + query, params))
+    assert "job_queue_waiting_updated_idx" in plan and "job_queue_finished_idx" in plan, plan
+    query, params = stats.list_jobs_query(state="succeeded")  # one source only
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + query, params))
+    assert plan.count("Index Scan") == 1 and "job_queue_finished_idx" in plan, plan
 
 
 def test_list_jobs_search(wconn: db.Conn, workload: dict[str, Any]) -> None:
