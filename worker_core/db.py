@@ -88,6 +88,7 @@ def connect(
     statement_timeout_ms: int | None = None,
     read_only: bool = False,
     connect_timeout: int = 5,
+    cls: type[Conn] = psycopg.Connection,
 ) -> Conn:
     """A connection with dict rows. ``read_only`` makes every transaction read-only on the server side."""
     kwargs: dict[str, Any] = {
@@ -97,7 +98,7 @@ def connect(
     options = _options(statement_timeout_ms, read_only)
     if options:
         kwargs["options"] = options
-    return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
+    return cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
 
 
 async def aconnect(

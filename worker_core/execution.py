@@ -22,9 +22,10 @@ import datetime as dt
 import json
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -46,6 +47,14 @@ if TYPE_CHECKING:
 MAX_ERROR_MESSAGE = 2000
 RECORD_GROUP_KEYS = queries["record_group_keys"].encode()
 FORGET_GROUP_KEY = queries["forget_group_key"].encode()
+UNRECORD_GROUP_KEYS = queries["unrecord_group_keys"].encode()
+_PLACEHOLDER = re.compile(rb"%\((\w+)\)s")
+
+
+def fill(template: bytes, values: dict[bytes, bytes]) -> bytes:
+    """A statement with its ``%(name)s`` placeholders replaced by already quoted values, in one pass: a
+    value (an idempotency key, say) that itself contains ``%(now)s`` is never substituted again."""
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 #: an async handler cancels itself at its timeout; the watchdog only steps in when its event loop is stuck
 ASYNC_GRACE_MARGIN = 1.0
 
@@ -145,6 +154,30 @@ def settle_many_params(worker: Worker, batch: list[Execution]) -> dict[str, Any]
     }
 
 
+class JobConnection(psycopg.Connection[dict[str, Any]]):
+    """A slot's connection: ``ctx.tx`` of sync handlers. While a handler runs, the transaction belongs to
+    the job (and in a group to the jobs after it too: the group's first statement wrote their idempotency
+    records in it), so ``commit()`` and ``rollback()`` refuse, failing the job: the worker ends the
+    transaction with the job's settlement."""
+
+    slot: Slot | None = None
+
+    def _refuse(self, what: str) -> None:
+        if self.slot is not None and self.slot.handler_running:
+            raise PermanentError(
+                f"a handler must not {what} ctx.tx: it commits with the job's idempotency record and settlement"
+                " (ctx.tx.transaction() makes a nested block)"
+            )
+
+    def commit(self) -> None:
+        self._refuse("commit")
+        super().commit()
+
+    def rollback(self) -> None:
+        self._refuse("roll back")
+        super().rollback()
+
+
 def _is_db_error(exc: BaseException) -> bool:
     return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
 
@@ -155,20 +188,25 @@ class Slot:
     def __init__(self, worker: Worker, index: int) -> None:
         self.w = worker
         self.index = index
-        self._conn: db.Conn | None = None
+        self._conn: JobConnection | None = None
         #: set while giving a group back, once the database could not be reached (see _write)
         self._unreachable = False
         #: the connection worker_core_record_key is prepared on (see _open_with_key)
         self._prepared_on: db.Conn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aconn: db.AsyncConn | None = None
+        #: a handler is running on this slot's thread (see JobConnection)
+        self.handler_running = False
 
     # connections -----------------------------------------------------------------
 
     @property
     def conn(self) -> db.Conn:
         if self._conn is None or self._conn.closed or self._conn.broken:
-            self._conn = db.connect(self.w.dsn, application_name=self.w.config.application_name)
+            name = self.w.config.application_name
+            conn = cast(JobConnection, db.connect(self.w.dsn, application_name=name, cls=JobConnection))
+            conn.slot = self
+            self._conn = conn
         return self._conn
 
     def reset(self) -> None:
@@ -275,7 +313,8 @@ class Slot:
     def _finish(self, ex: Execution, t0: float) -> None:
         job = ex.job
         seconds = (ex.ended or time.monotonic()) - t0
-        self.w.observe_handler(job["job_type"], seconds)
+        if not ex.hit:  # a hit ran no handler: it says nothing of the handler's time
+            self.w.observe_handler(job["job_type"], seconds)
         values = {"duration_ms_sum": seconds * 1000, **ex.outcome}
         if ex.group is not None:
             ex.group.count(job, values)
@@ -403,10 +442,13 @@ class Slot:
             for key, ex in first.items()
             for job_type in (ex.job["job_type"],)
         )
-        sql = (
-            RECORD_GROUP_KEYS.replace(b"%(rows)s", rows)
-            .replace(b"%(now)s", quote(self.w.clock.now().isoformat().encode()))
-            .replace(b"%(retention_seconds)s", repr(float(self.w.config.idempotency_retention_seconds)).encode())
+        sql = fill(
+            RECORD_GROUP_KEYS,
+            {
+                b"rows": rows,
+                b"now": quote(self.w.clock.now().isoformat().encode()),
+                b"retention_seconds": repr(float(self.w.config.idempotency_retention_seconds)).encode(),
+            },
         )
         begin = b"BEGIN; " if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE else b""
         res = self._exec(begin + sql, psycopg.pq.ExecStatus.TUPLES_OK)
@@ -417,6 +459,18 @@ class Slot:
             else:
                 ex.key_hit = True
 
+    def _unrecord_waiting(self, group: Group) -> None:
+        """A handler ended the group's transaction itself (``ctx.tx.execute("COMMIT")``: JobConnection refuses
+        ``commit()``): the records the group's first statement wrote for the jobs not begun yet went with it,
+        committed or rolled back. Delete them at once, and let those jobs record their keys one by one."""
+        waiting = [ex for ex in group.waiting if ex.key_recorded]
+        if waiting:
+            ids = array_literal([ex.job["id"] for ex in waiting]).encode()
+            # outside any transaction (the connection is idle): it commits at once, whatever the group does
+            self._raw(fill(UNRECORD_GROUP_KEYS, {b"ids": b"'" + ids + b"'"}))
+            for ex in waiting:
+                ex.key_recorded = False
+
     def _forget_key(self, ex: Execution, rollback_to: bytes | None) -> None:
         """A grouped job failed: roll back to its savepoint, if it opened one, and delete the record its
         group wrote for it (not in its savepoint), in one round trip."""
@@ -424,10 +478,8 @@ class Slot:
         if ex.key_recorded:
             conn = self.conn
             quote = psycopg.pq.Escaping(conn.pgconn).escape_literal
-            sql.append(
-                FORGET_GROUP_KEY.replace(b"%(key)s", quote(ex.job["idempotency_key"].encode(conn.info.encoding)))
-                .replace(b"%(job_id)s", quote(str(ex.job["id"]).encode()))
-            )
+            key = quote(ex.job["idempotency_key"].encode(conn.info.encoding))
+            sql.append(fill(FORGET_GROUP_KEY, {b"key": key, b"job_id": quote(str(ex.job["id"]).encode())}))
             ex.key_recorded = False
         if sql:
             self._raw(b"; ".join(sql))
@@ -505,6 +557,7 @@ class Slot:
                 ctx.logger.warning(
                     "the handler ended ctx.tx's transaction itself: what it committed is not settled with it"
                 )
+                self._unrecord_waiting(group)
         except HandlerFailure as f:
             ex.ended = time.monotonic()
             self._forget_key(ex, savepoint if opened else None)
@@ -614,8 +667,10 @@ class Slot:
         ex.cancel_seen = None
         ex.grace_margin = grace_margin
         ex.deadline = time.monotonic() + ex.job["timeout_seconds"]
+        self.handler_running = True
 
     def _end_handler(self, ex: Execution) -> None:
+        self.handler_running = False
         with self.w._exec_lock:
             ex.deadline = None
             if ex.abandoned:

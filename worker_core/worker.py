@@ -447,6 +447,28 @@ class Worker:
         by_load = (self.capacity - self._load) * self._jobs_per_load
         return int(min(by_load + 1e-9, self.max_in_flight - len(self._in_flight)))
 
+    def _keep_within(self, rows: list[dict[str, Any]], free: float) -> list[dict[str, Any]]:
+        """The claimed jobs the slots and the prefetch can take (``free``, in slot loads); the rest go back
+        at once, as they were, the attempt not counted (queries.sql ``release_surplus``). A claim is sized
+        from the jobs of the one before (_room): after a run of fast jobs, one that brings slow ones would
+        otherwise hold dozens that other workers could be running."""
+        load = 0.0
+        for i, row in enumerate(rows):
+            load += self.job_load(row)
+            if i and load > free + 1e-9:
+                kept, surplus = rows[:i], rows[i:]
+                break
+        else:
+            return rows
+        try:
+            conn = self._conn_for_claims()
+            params = {"ids": array_literal([r["id"] for r in surplus]), "worker": self.id, "now": self.clock.now()}
+            conn.execute(queries["release_surplus"], params)
+        except psycopg.Error as e:
+            self.log.warning("could not give back surplus claimed jobs (%s): running them", e)
+            return rows
+        return kept
+
     def _may_claim(self) -> bool:
         """Not while a job runs alone, nor while draining for one; else when a slot is free."""
         if self._solo_in_flight:
@@ -474,6 +496,7 @@ class Worker:
             if self.stopping:
                 break
             limit = min(self._room(), self.batch_size)
+            free = self.capacity - self._load
             self._wake.clear()
             try:
                 rows = self.claim(limit)
@@ -484,14 +507,15 @@ class Worker:
                 self._claim_conn = None
                 self._stopping.wait(backoff * random.uniform(0.8, 1.2))
                 continue
+            claimed = len(rows)
             if rows:
                 self.claims += 1
-                executions = [self._dispatch(row) for row in rows]
+                executions = [self._dispatch(row) for row in self._keep_within(rows, free)]
                 self._jobs_per_load = len(executions) / sum(ex.load for ex in executions)
                 self._hand_out(executions)
             # a full batch: there is a backlog, and claims wait for the WAL flush (see _claim_ready)
-            self._backlog = len(rows) == limit
-            if len(rows) == limit or self._want_solo:
+            self._backlog = claimed == limit
+            if claimed == limit or self._want_solo:
                 continue
             if (
                 self.config.burst

@@ -45,6 +45,13 @@ def self_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
     ctx.tx.commit()
 
 
+@worker_core.task("t.raw_commit", retry=FAST, reason="tests need fast, bounded retries")
+def raw_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Misuses ctx.tx past what JobConnection can refuse: ends its transaction with a COMMIT statement."""
+    _ledger(ctx, payload)
+    ctx.tx.execute("COMMIT")
+
+
 @worker_core.task("t.flaky", retry=FAST, max_attempts=5, reason="tests need fast, bounded retries")
 def flaky(ctx: JobContext, payload: dict[str, Any]) -> None:
     if ctx.attempt <= payload.get("fail_times", 1):

@@ -303,11 +303,65 @@ def test_slots_that_cannot_connect_give_their_jobs_back_and_the_worker_carries_o
         conn.execute(f"DROP ROLE {role}")
 
 
-def test_a_handler_that_commits_ctx_tx_itself_is_reported(
+def test_a_handler_that_commits_ctx_tx_itself_fails_and_commits_nothing(dsn: str, conn: db.Conn) -> None:
+    # its transaction holds the job's idempotency record (in a group, the records of the jobs after it
+    # too): only the worker ends it, with the settlement
+    alone = enqueue(conn, "t.self_commit", {"item": "alone"}).id
+    keyed = enqueue(conn, "t.self_commit", {"item": "keyed"}, idempotency_key="sc").id
+    run_burst(dsn)
+    for j in (alone, keyed):
+        row = job(dsn, j)
+        assert row["state"] == "failed" and "must not commit ctx.tx" in row["last_error"], row["last_error"]
+    assert ledger(dsn) == []
+    assert conn.execute("SELECT count(*) AS n FROM processed_keys").fetchone() == {"n": 0}
+
+
+def test_a_grouped_handler_that_commits_with_a_statement_does_not_take_the_next_jobs_records_along(
     dsn: str, conn: db.Conn, caplog: pytest.LogCaptureFixture
 ) -> None:
-    j = enqueue(conn, "t.self_commit", {"item": "mine"}).id
+    # the group's first statement recorded the three keys; the second handler COMMITs them with its own
+    # effect; the third job then hangs and is dead-lettered: its record must not stay behind (a requeue of it
+    # would be a hit, settled without ever running)
+    jobs = [("t.ledger", {"item": "r0"}), ("t.raw_commit", {"item": "r1"}), ("t.stubborn", {"item": "r2"})]
+    ids = [enqueue(conn, t, p, idempotency_key=f"r{i}", priority=i).id for i, (t, p) in enumerate(jobs)]
+    wt = WorkerThread(dsn, **{**ONE_GROUP, "cancel_grace": 0.2})
+    for job_type in ("t.ledger", "t.raw_commit", "t.stubborn"):
+        wt.worker.observe_handler(job_type, 0.01)
     with caplog.at_level(logging.WARNING, logger="worker_core"):
-        run_burst(dsn)
-    assert state(dsn, j) == "succeeded" and [r["item"] for r in ledger(dsn)] == ["mine"]
+        assert wt.start().join(60) == 0
     assert any("ended ctx.tx's transaction itself" in r.getMessage() for r in caplog.records)
+    assert [state(dsn, j) for j in ids] == ["succeeded", "succeeded", "dead_lettered"]
+    assert sorted(r["item"] for r in ledger(dsn)) == ["r0", "r1"]
+    owners = {r["idempotency_key"]: r["job_id"] for r in conn.execute("SELECT * FROM processed_keys")}
+    assert owners == {"r0": ids[0], "r1": ids[1]}
+
+
+def test_keys_that_look_like_placeholders_are_recorded_as_they_are(dsn: str, conn: db.Conn) -> None:
+    # the group's statements are filled in one pass: a key is never substituted into again
+    keys = ["%(now)s", "%(retention_seconds)s", "a%(rows)sb", "%(key)s", "%(job_id)s"]
+    ids = [
+        enqueue(conn, "t.ledger", {"item": k, "fail_after_write": 1 if k == "%(key)s" else 0}, idempotency_key=k,
+                priority=i).id
+        for i, k in enumerate(keys)
+    ]  # fmt: skip
+    run_grouped(dsn)
+    assert [job(dsn, j)["attempts"] for j in ids] == [1, 1, 1, 2, 1]  # "%(key)s" failed once, then succeeded
+    assert sorted(r["item"] for r in ledger(dsn)) == sorted(keys)
+    owners = {r["idempotency_key"]: r["job_id"] for r in conn.execute("SELECT * FROM processed_keys")}
+    assert owners == dict(zip(keys, ids, strict=True))
+
+
+def test_a_claim_that_brings_slow_jobs_after_fast_ones_gives_back_what_the_slots_cannot_take(
+    dsn: str, conn: db.Conn
+) -> None:
+    ids = [enqueue(conn, "t.slow", {"seconds": 0.1}, priority=i).id for i in range(30)]
+    w = Worker(config(dsn, concurrency=2, prefetch=2))
+    w._jobs_per_load = 10.0  # the last claim was of fast jobs: ten to a slot load
+    limit = min(w._room(), w.batch_size)
+    assert limit == 40
+    rows = w.claim(limit)
+    kept = w._keep_within(rows, w.capacity - w._load)
+    assert [r["id"] for r in kept] == ids[:4]  # four slot loads: four slow jobs, the first ones
+    states = {r["id"]: (r["state"], r["attempts"], r["locked_by"]) for r in conn.execute("SELECT * FROM job_queue")}
+    assert [states[j] for j in ids[:4]] == [("running", 1, w.id)] * 4
+    assert [states[j] for j in ids[4:]] == [("queued", 0, None)] * 26  # as they were

@@ -274,6 +274,11 @@ RETURNING job_id;
 -- A grouped job that failed or was cancelled gives back the idempotency record its group wrote for it.
 DELETE FROM processed_keys WHERE idempotency_key = %(key)s AND job_id = %(job_id)s;
 
+-- name: unrecord_group_keys
+-- A handler ended its group's transaction itself (Slot._unrecord_waiting): the records the group wrote for
+-- the jobs not begun yet are deleted, and those jobs record their keys one by one.
+DELETE FROM processed_keys WHERE job_id = ANY(%(ids)s::uuid[]);
+
 -- name: processed_key_owner
 SELECT job_id FROM processed_keys WHERE idempotency_key = %(key)s;
 
@@ -326,6 +331,14 @@ UPDATE job_queue SET
 WHERE id = %(id)s AND (state = 'running') IS TRUE AND attempts = %(attempt)s AND locked_by = %(worker)s
   AND NOT cancel_requested
 RETURNING id;
+
+-- name: release_surplus
+-- Jobs a claim brought beyond what the worker's slots and prefetch can take (Worker._keep_within): back to
+-- queued at once, the attempt not counted, for any worker to claim.
+UPDATE job_queue j SET
+    state = 'queued', attempts = j.attempts - 1, locked_by = NULL, locked_until = NULL, started_at = NULL,
+    updated_at = %(now)s
+WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s;
 
 -- name: expire_worker_leases
 -- A supervisor saw its child die: its leases end now, so any worker reclaims them at once.
