@@ -178,11 +178,12 @@ def job_lock(conn: Conn, job_id: uuid.UUID) -> dict[str, Any] | None:
 _JOB_COLUMNS = sql.SQL(", ").join(sql.Identifier(c) for c in Job.__dataclass_fields__)
 #: list_jobs' sources, each read newest first through an index: waiting jobs (job_queue_waiting_updated_idx),
 #: running ones (as many as the workers hold: sorted), finished ones by when they finished
-#: (job_queue_finished_idx; for them updated_at is finished_at)
+#: (job_queue_finished_idx; for them updated_at is finished_at). Ties (a batch settles hundreds of jobs at
+#: one timestamp) are broken by id in each source as in the merge, so the first N are the same N.
 _ACTIVITY_SOURCES: tuple[tuple[tuple[JobState, ...], str], ...] = (
-    (WAITING_STATES, "updated_at DESC"),
-    ((JobState.RUNNING,), "updated_at DESC"),
-    (FINAL_STATES, "finished_at DESC"),
+    (WAITING_STATES, "updated_at DESC, id"),
+    ((JobState.RUNNING,), "updated_at DESC, id"),
+    (FINAL_STATES, "finished_at DESC, id"),
 )
 
 

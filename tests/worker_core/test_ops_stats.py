@@ -139,6 +139,18 @@ def test_list_jobs_is_newest_activity_first_across_waiting_running_and_finished_
     assert [j.id for j in stats.list_jobs(conn, state="cancelled")] == [ids[5]]
 
 
+def test_list_jobs_breaks_ties_by_id_in_every_source(conn: db.Conn) -> None:
+    # a batch settles hundreds of jobs at one timestamp: the first N are the N smallest ids, not any N
+    ids = [enqueue(conn, "t.ok", {"n": i}, clock=FixedClock(NOW)).id for i in range(30)]
+    conn.execute(
+        "UPDATE job_queue SET state = 'succeeded', finished_at = %s, updated_at = %s WHERE id = ANY(%s)",
+        (NOW, NOW, ids[:20]),
+    )
+    assert [j.id for j in stats.list_jobs(conn, limit=5)] == sorted(ids)[:5]
+    assert [j.id for j in stats.list_jobs(conn, state="succeeded", limit=5)] == sorted(ids[:20])[:5]
+    assert [j.id for j in stats.list_jobs(conn, state="queued", limit=5)] == sorted(ids[20:])[:5]
+
+
 def test_list_jobs_reads_each_source_through_its_index(conn: db.Conn) -> None:
     # no index over every row version by updated_at (each claim and settlement would write to it): the
     # waiting and finished jobs are read newest first through partial indexes, never by sorting the table
