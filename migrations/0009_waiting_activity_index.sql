@@ -5,6 +5,9 @@
 -- running jobs (as many as the workers hold) sorted, finished jobs through job_queue_finished_idx (a
 -- finished job's updated_at is its finished_at: nothing else updates a finished row but a requeue, which
 -- makes it waiting again).
+-- "updated_at > '-infinity'" (always true) is there so that no claim can read this index: with only the
+-- ready index's predicate, a claim planned on stale statistics (one ready row expected) took this
+-- narrower index, read every ready job and sorted them: 7.6 ms instead of 0.3 at 10,000 ready (bench).
 DROP INDEX IF EXISTS job_queue_updated_idx;
 CREATE INDEX job_queue_waiting_updated_idx ON job_queue (updated_at DESC)
-    WHERE state IN ('queued', 'retry_scheduled');
+    WHERE state IN ('queued', 'retry_scheduled') AND updated_at > '-infinity';

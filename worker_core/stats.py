@@ -180,10 +180,11 @@ _JOB_COLUMNS = sql.SQL(", ").join(sql.Identifier(c) for c in Job.__dataclass_fie
 #: running ones (as many as the workers hold: sorted), finished ones by when they finished
 #: (job_queue_finished_idx; for them updated_at is finished_at). Ties (a batch settles hundreds of jobs at
 #: one timestamp) are broken by id in each source as in the merge, so the first N are the same N.
-_ACTIVITY_SOURCES: tuple[tuple[tuple[JobState, ...], str], ...] = (
-    (WAITING_STATES, "updated_at DESC, id"),
-    ((JobState.RUNNING,), "updated_at DESC, id"),
-    (FINAL_STATES, "finished_at DESC, id"),
+_ACTIVITY_SOURCES: tuple[tuple[tuple[JobState, ...], str, str], ...] = (
+    # the second term is the index's: it keeps the claims off it (migration 0009)
+    (WAITING_STATES, "updated_at > '-infinity'", "updated_at DESC, id"),
+    ((JobState.RUNNING,), "true", "updated_at DESC, id"),
+    (FINAL_STATES, "true", "finished_at DESC, id"),
 )
 
 
@@ -236,13 +237,15 @@ def list_jobs_query(
             )
         )
     branches = []
-    for states, order in _ACTIVITY_SOURCES:
+    for states, term, order in _ACTIVITY_SOURCES:
         if state and JobState(state) not in states:
             continue
         in_states = sql.SQL("state IN ({})").format(sql.SQL(", ").join(sql.Literal(s.value) for s in states))
         branches.append(
             sql.SQL("(SELECT {cols} FROM job_queue WHERE {where} ORDER BY {order} LIMIT %(limit)s)").format(
-                cols=_JOB_COLUMNS, where=sql.SQL(" AND ").join([in_states, *where]), order=sql.SQL(order)
+                cols=_JOB_COLUMNS,
+                where=sql.SQL(" AND ").join([in_states, sql.SQL(term), *where]),
+                order=sql.SQL(order),
             )
         )
     query = sql.SQL("SELECT {cols} FROM ({branches}) AS j ORDER BY updated_at DESC, id LIMIT %(limit)s").format(
