@@ -154,6 +154,43 @@ def settle_many_params(worker: Worker, batch: list[Execution]) -> dict[str, Any]
     }
 
 
+#: command tags of statements that end a transaction (END's tag is COMMIT, ABORT's is ROLLBACK)
+_ENDING_TAGS = (b"COMMIT", b"PREPARE TRANSACTION", b"COMMIT PREPARED", b"ROLLBACK PREPARED")
+
+
+class JobCursor(psycopg.Cursor[dict[str, Any]]):
+    """The cursors of a JobConnection: a statement a handler sends through ``ctx.tx`` that ends the job's
+    transaction (``ctx.tx.execute("COMMIT")``, which ``commit()``'s refusal cannot stop) is noticed
+    (Slot.tx_ended), and the job fails (Slot._run_grouped, TxEnded)."""
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute(*args, **kwargs)
+        finally:
+            self._notice_end()
+
+    def executemany(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().executemany(*args, **kwargs)
+        finally:
+            self._notice_end()
+
+    def _notice_end(self) -> None:
+        conn = self.connection
+        slot = getattr(conn, "slot", None)
+        if slot is None or not slot.handler_running:
+            return
+        idle = conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        tags = [r.command_status or b"" for r in self._results]
+        # ROLLBACK is also ROLLBACK TO SAVEPOINT's tag: it ends the transaction only if nothing is left open
+        if idle or any(t.startswith(_ENDING_TAGS) or (t == b"ROLLBACK" and idle) for t in tags):
+            slot.tx_ended = True
+
+
+class TxEnded(Exception):
+    """A grouped handler ended the group's transaction with a statement of its own."""
+
+
 class JobConnection(psycopg.Connection[dict[str, Any]]):
     """A slot's connection: ``ctx.tx`` of sync handlers. While a handler runs, the transaction belongs to
     the job (and in a group to the jobs after it too: the group's first statement wrote their idempotency
@@ -197,6 +234,8 @@ class Slot:
         self._aconn: db.AsyncConn | None = None
         #: a handler is running on this slot's thread (see JobConnection)
         self.handler_running = False
+        #: the running handler ended its transaction with a statement (see JobCursor)
+        self.tx_ended = False
 
     # connections -----------------------------------------------------------------
 
@@ -206,6 +245,7 @@ class Slot:
             name = self.w.config.application_name
             conn = cast(JobConnection, db.connect(self.w.dsn, application_name=name, cls=JobConnection))
             conn.slot = self
+            conn.cursor_factory = JobCursor
             self._conn = conn
         return self._conn
 
@@ -391,6 +431,9 @@ class Slot:
             self._commit_group(group)
         except Abandoned:
             raise
+        except TxEnded:
+            assert current is not None
+            self._tx_ended_by(current, group)
         except BaseException as e:
             # one of our own statements failed (the handlers' errors are their jobs' failures), or the
             # database went away: nothing of the group committed; the job in progress is given back too
@@ -459,10 +502,31 @@ class Slot:
             else:
                 ex.key_hit = True
 
+    def _tx_ended_by(self, ex: Execution, group: Group) -> None:
+        """``ex``'s handler ended the group's transaction with a statement of its own (JobCursor). What the
+        jobs before it did committed or vanished with it: they are given back (a committed one is a hit when
+        it runs again, a lost one runs again); the records the group wrote for the jobs after it, committed
+        perhaps, are deleted; ``ex`` fails."""
+        ex.ended = time.monotonic()
+        ex.ctx.logger.error("the handler ended ctx.tx's transaction itself: the job fails, its group runs again")
+        try:
+            self._rollback()
+            self._unrecord_waiting(group)
+        except psycopg.Error as e:
+            self.reset()
+            why = db.redact(str(e).strip(), self.w.dsn)
+            self.w.log.warning("could not delete the records of a broken group: %s", why)
+        exc = PermanentError(
+            "the handler ended ctx.tx's transaction itself (a COMMIT or ROLLBACK statement): ctx.tx commits with"
+            " the job's idempotency record and settlement"
+        )
+        group.failed.append((ex, exc))
+        self._give_back_group(group)
+
     def _unrecord_waiting(self, group: Group) -> None:
-        """A handler ended the group's transaction itself (``ctx.tx.execute("COMMIT")``: JobConnection refuses
-        ``commit()``): the records the group's first statement wrote for the jobs not begun yet went with it,
-        committed or rolled back. Delete them at once, and let those jobs record their keys one by one."""
+        """The records the group's first statement wrote for the jobs not begun yet, once a handler ended the
+        group's transaction (_tx_ended_by): committed perhaps, they are deleted at once, and those jobs record
+        their keys again in the group they run in."""
         waiting = [ex for ex in group.waiting if ex.key_recorded]
         if waiting:
             ids = array_literal([ex.job["id"] for ex in waiting]).encode()
@@ -549,15 +613,13 @@ class Slot:
                     return
             # the handler's first use of ctx.tx opens its savepoint (and the slot's connection, if need be)
             ctx._on_tx = open_savepoint
+            self.tx_ended = False
             self._call_sync(ex, task)
             status = self.conn.pgconn.transaction_status if opened else None
+            if self.tx_ended or status == psycopg.pq.TransactionStatus.IDLE:
+                raise TxEnded()
             if status == psycopg.pq.TransactionStatus.INERROR:
                 raise HandlerFailure(RuntimeError("the handler swallowed a database error: its transaction is aborted"))
-            if status == psycopg.pq.TransactionStatus.IDLE:
-                ctx.logger.warning(
-                    "the handler ended ctx.tx's transaction itself: what it committed is not settled with it"
-                )
-                self._unrecord_waiting(group)
         except HandlerFailure as f:
             ex.ended = time.monotonic()
             self._forget_key(ex, savepoint if opened else None)
@@ -631,6 +693,7 @@ class Slot:
 
     def _succeeded(self, ex: Execution, idempotency_hit: bool) -> None:
         if idempotency_hit:
+            ex.hit = True
             ex.outcome = {"idempotency_hits": 1, "succeeded": 1}
             ex.ctx.logger.info("idempotency key already processed: settled without running the handler")
         else:

@@ -463,11 +463,12 @@ class Worker:
         try:
             conn = self._conn_for_claims()
             params = {"ids": array_literal([r["id"] for r in surplus]), "worker": self.id, "now": self.clock.now()}
-            conn.execute(queries["release_surplus"], params)
+            released = {r["id"] for r in conn.execute(queries["release_surplus"], params)}
         except psycopg.Error as e:
             self.log.warning("could not give back surplus claimed jobs (%s): running them", e)
             return rows
-        return kept
+        # killed since the claim: kept, the heartbeat sees the kill and it is settled cancelled, never run
+        return kept + [r for r in surplus if r["id"] not in released]
 
     def _may_claim(self) -> bool:
         """Not while a job runs alone, nor while draining for one; else when a slot is free."""

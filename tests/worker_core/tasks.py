@@ -47,9 +47,12 @@ def self_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
 
 @worker_core.task("t.raw_commit", retry=FAST, reason="tests need fast, bounded retries")
 def raw_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
-    """Misuses ctx.tx past what JobConnection can refuse: ends its transaction with a COMMIT statement."""
+    """Misuses ctx.tx past what commit() refuses: ends its transaction with a statement (COMMIT or ROLLBACK),
+    then, if asked, goes on (a new transaction begins)."""
     _ledger(ctx, payload)
-    ctx.tx.execute("COMMIT")
+    ctx.tx.execute(payload.get("end", "COMMIT"))
+    if payload.get("then_select"):
+        ctx.tx.execute("SELECT 1")
 
 
 @worker_core.task("t.flaky", retry=FAST, max_attempts=5, reason="tests need fast, bounded retries")

@@ -4,7 +4,6 @@ one commit (each in its own savepoint), and planner statistics refreshed by hous
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import uuid
@@ -316,24 +315,51 @@ def test_a_handler_that_commits_ctx_tx_itself_fails_and_commits_nothing(dsn: str
     assert conn.execute("SELECT count(*) AS n FROM processed_keys").fetchone() == {"n": 0}
 
 
-def test_a_grouped_handler_that_commits_with_a_statement_does_not_take_the_next_jobs_records_along(
-    dsn: str, conn: db.Conn, caplog: pytest.LogCaptureFixture
+def _run_measured(dsn: str, job_types: tuple[str, ...], **overrides: Any) -> Worker:
+    wt = WorkerThread(dsn, **{**ONE_GROUP, "cancel_grace": 0.2, **overrides})
+    for job_type in job_types:
+        wt.worker.observe_handler(job_type, 0.01)
+    assert wt.start().join(60) == 0
+    return wt.worker
+
+
+@pytest.mark.parametrize("then_select", [False, True], ids=["commit", "commit-then-select"])
+def test_a_grouped_handler_that_commits_with_a_statement_fails_and_the_next_jobs_records_go(
+    dsn: str, conn: db.Conn, then_select: bool
 ) -> None:
     # the group's first statement recorded the three keys; the second handler COMMITs them with its own
-    # effect; the third job then hangs and is dead-lettered: its record must not stay behind (a requeue of it
-    # would be a hit, settled without ever running)
-    jobs = [("t.ledger", {"item": "r0"}), ("t.raw_commit", {"item": "r1"}), ("t.stubborn", {"item": "r2"})]
+    # effect (and may go on in a new transaction); the third job then hangs and is dead-lettered: its
+    # record must not stay behind (a requeue of it would be a hit, settled without ever running)
+    jobs = [
+        ("t.ledger", {"item": "r0"}),
+        ("t.raw_commit", {"item": "r1", "then_select": then_select}),
+        ("t.stubborn", {"item": "r2"}),
+    ]
     ids = [enqueue(conn, t, p, idempotency_key=f"r{i}", priority=i).id for i, (t, p) in enumerate(jobs)]
-    wt = WorkerThread(dsn, **{**ONE_GROUP, "cancel_grace": 0.2})
-    for job_type in ("t.ledger", "t.raw_commit", "t.stubborn"):
-        wt.worker.observe_handler(job_type, 0.01)
-    with caplog.at_level(logging.WARNING, logger="worker_core"):
-        assert wt.start().join(60) == 0
-    assert any("ended ctx.tx's transaction itself" in r.getMessage() for r in caplog.records)
-    assert [state(dsn, j) for j in ids] == ["succeeded", "succeeded", "dead_lettered"]
+    _run_measured(dsn, ("t.ledger", "t.raw_commit", "t.stubborn"))
+    # r0's effect committed with the COMMIT: given back, it is a hit; r1 fails; r2 ran in a group of its own
+    assert [state(dsn, j) for j in ids] == ["succeeded", "failed", "dead_lettered"]
+    assert "ended ctx.tx's transaction itself" in job(dsn, ids[1])["last_error"]
     assert sorted(r["item"] for r in ledger(dsn)) == ["r0", "r1"]
     owners = {r["idempotency_key"]: r["job_id"] for r in conn.execute("SELECT * FROM processed_keys")}
     assert owners == {"r0": ids[0], "r1": ids[1]}
+
+
+def test_a_grouped_handler_that_rolls_back_with_a_statement_fails_and_the_jobs_before_it_run_again(
+    dsn: str, conn: db.Conn
+) -> None:
+    jobs = [
+        ("t.ledger", {"item": "k0"}),
+        ("t.raw_commit", {"item": "k1", "end": "ROLLBACK"}),
+        ("t.ledger", {"item": "k2"}),
+    ]
+    ids = [enqueue(conn, t, p, idempotency_key=f"k{i}", priority=i).id for i, (t, p) in enumerate(jobs)]
+    _run_measured(dsn, ("t.ledger", "t.raw_commit"))
+    assert [state(dsn, j) for j in ids] == ["succeeded", "failed", "succeeded"]
+    # k0's effect went with the ROLLBACK: it ran again, once, without counting an attempt
+    assert sorted((r["item"], r["attempt"]) for r in ledger(dsn)) == [("k0", 1), ("k2", 1)]
+    owners = {r["idempotency_key"]: r["job_id"] for r in conn.execute("SELECT * FROM processed_keys")}
+    assert owners == {"k0": ids[0], "k2": ids[2]}
 
 
 def test_keys_that_look_like_placeholders_are_recorded_as_they_are(dsn: str, conn: db.Conn) -> None:
@@ -365,3 +391,15 @@ def test_a_claim_that_brings_slow_jobs_after_fast_ones_gives_back_what_the_slots
     states = {r["id"]: (r["state"], r["attempts"], r["locked_by"]) for r in conn.execute("SELECT * FROM job_queue")}
     assert [states[j] for j in ids[:4]] == [("running", 1, w.id)] * 4
     assert [states[j] for j in ids[4:]] == [("queued", 0, None)] * 26  # as they were
+
+
+def test_a_surplus_job_killed_since_the_claim_is_kept_and_never_runs(dsn: str, conn: db.Conn) -> None:
+    ids = [enqueue(conn, "t.slow", {"seconds": 0.1}, priority=i).id for i in range(6)]
+    w = Worker(config(dsn, concurrency=2, prefetch=2))
+    w._jobs_per_load = 10.0
+    rows = w.claim(min(w._room(), w.batch_size))
+    ops.kill(conn, [ids[5]])  # between the claim and the give-back: flagged, since it is running
+    kept = w._keep_within(rows, w.capacity - w._load)
+    assert [r["id"] for r in kept] == [*ids[:4], ids[5]]  # kept: the heartbeat sees the kill
+    assert [state(dsn, j) for j in ids] == ["running"] * 4 + ["queued", "running"]
+    assert job(dsn, ids[5])["cancel_requested"]

@@ -334,11 +334,14 @@ RETURNING id;
 
 -- name: release_surplus
 -- Jobs a claim brought beyond what the worker's slots and prefetch can take (Worker._keep_within): back to
--- queued at once, the attempt not counted, for any worker to claim.
+-- queued at once, the attempt not counted, for any worker to claim. Not one an operator killed meanwhile:
+-- the worker keeps it, and settles it cancelled without running it (as any job killed in its buffer).
 UPDATE job_queue j SET
     state = 'queued', attempts = j.attempts - 1, locked_by = NULL, locked_until = NULL, started_at = NULL,
     updated_at = %(now)s
-WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s;
+WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
+  AND NOT j.cancel_requested
+RETURNING j.id;
 
 -- name: expire_worker_leases
 -- A supervisor saw its child die: its leases end now, so any worker reclaims them at once.
