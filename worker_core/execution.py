@@ -621,6 +621,8 @@ class Slot:
             if status == psycopg.pq.TransactionStatus.INERROR:
                 raise HandlerFailure(RuntimeError("the handler swallowed a database error: its transaction is aborted"))
         except HandlerFailure as f:
+            if self.tx_ended:  # it ended the transaction, then failed: its savepoint is gone with the rest
+                raise TxEnded() from None
             ex.ended = time.monotonic()
             self._forget_key(ex, savepoint if opened else None)
             group.failed.append((ex, f.exc))

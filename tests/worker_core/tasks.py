@@ -51,8 +51,10 @@ def raw_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
     then, if asked, goes on (a new transaction begins)."""
     _ledger(ctx, payload)
     ctx.tx.execute(payload.get("end", "COMMIT"))
-    if payload.get("then_select"):
+    if payload.get("then") == "select":
         ctx.tx.execute("SELECT 1")
+    if payload.get("then") == "raise":
+        raise TransientError("failed after ending its transaction")
 
 
 @worker_core.task("t.flaky", retry=FAST, max_attempts=5, reason="tests need fast, bounded retries")

@@ -323,16 +323,16 @@ def _run_measured(dsn: str, job_types: tuple[str, ...], **overrides: Any) -> Wor
     return wt.worker
 
 
-@pytest.mark.parametrize("then_select", [False, True], ids=["commit", "commit-then-select"])
+@pytest.mark.parametrize("then", [None, "select", "raise"], ids=["commit", "commit-then-select", "commit-then-raise"])
 def test_a_grouped_handler_that_commits_with_a_statement_fails_and_the_next_jobs_records_go(
-    dsn: str, conn: db.Conn, then_select: bool
+    dsn: str, conn: db.Conn, then: str | None
 ) -> None:
     # the group's first statement recorded the three keys; the second handler COMMITs them with its own
     # effect (and may go on in a new transaction); the third job then hangs and is dead-lettered: its
     # record must not stay behind (a requeue of it would be a hit, settled without ever running)
     jobs = [
         ("t.ledger", {"item": "r0"}),
-        ("t.raw_commit", {"item": "r1", "then_select": then_select}),
+        ("t.raw_commit", {"item": "r1", "then": then}),
         ("t.stubborn", {"item": "r2"}),
     ]
     ids = [enqueue(conn, t, p, idempotency_key=f"r{i}", priority=i).id for i, (t, p) in enumerate(jobs)]
