@@ -162,6 +162,11 @@ def test_list_jobs_reads_each_source_through_its_index(conn: db.Conn) -> None:
     query, params = stats.list_jobs_query(state="succeeded")  # one source only
     plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + query, params))
     assert plan.count("Index Scan") == 1 and "job_queue_finished_idx" in plan, plan
+    # the waiting jobs' index holds the list's order, ties included: nothing to sort, whatever the estimates
+    query, params = stats.list_jobs_query(state="queued")
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + query, params))
+    inner = plan.split("->  Limit")[-1]
+    assert "job_queue_waiting_updated_idx" in inner and "Sort" not in inner, plan
 
 
 def test_list_jobs_search(wconn: db.Conn, workload: dict[str, Any]) -> None:
