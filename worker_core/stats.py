@@ -180,11 +180,17 @@ _JOB_COLUMNS = sql.SQL(", ").join(sql.Identifier(c) for c in Job.__dataclass_fie
 #: running ones (as many as the workers hold: sorted), finished ones by when they finished
 #: (job_queue_finished_idx; for them updated_at is finished_at). Ties (a batch settles hundreds of jobs at
 #: one timestamp) are broken by id in each source as in the merge, so the first N are the same N.
+#: Each source's condition is its index's predicate, written as migration 0009 writes it: the waiting jobs'
+#: in a form that implies no other index's predicate (the ready index sorted by priority would do, on
+#: statistics that expect no waiting job: sorting them all), and that no claim implies.
 _ACTIVITY_SOURCES: tuple[tuple[tuple[JobState, ...], str, str], ...] = (
-    # the second term is the index's: it keeps the claims off it (migration 0009)
-    (WAITING_STATES, "updated_at > '-infinity'", "updated_at DESC, id"),
-    ((JobState.RUNNING,), "true", "updated_at DESC, id"),
-    (FINAL_STATES, "true", "finished_at DESC, id"),
+    (
+        WAITING_STATES,
+        "(state IN ('queued', 'retry_scheduled')) IS TRUE AND updated_at > '-infinity'",
+        "updated_at DESC, id",
+    ),
+    ((JobState.RUNNING,), "state = 'running'", "updated_at DESC, id"),
+    (FINAL_STATES, "state IN ('succeeded', 'failed', 'dead_lettered', 'cancelled')", "finished_at DESC, id"),
 )
 
 
@@ -217,7 +223,8 @@ def list_jobs_query(
     params: dict[str, Any] = {"limit": max(1, min(int(limit), 10_000))}
     if state:
         params["state"] = JobState(state).value
-        where.append(sql.SQL("state = %(state)s"))
+        # a filter only: written so that it implies no partial index's predicate (each source's does)
+        where.append(sql.SQL("(state = %(state)s) IS TRUE"))
     if job_type:
         params["job_type"] = job_type
         where.append(sql.SQL("job_type = %(job_type)s"))
@@ -237,14 +244,13 @@ def list_jobs_query(
             )
         )
     branches = []
-    for states, term, order in _ACTIVITY_SOURCES:
+    for states, condition, order in _ACTIVITY_SOURCES:
         if state and JobState(state) not in states:
             continue
-        in_states = sql.SQL("state IN ({})").format(sql.SQL(", ").join(sql.Literal(s.value) for s in states))
         branches.append(
             sql.SQL("(SELECT {cols} FROM job_queue WHERE {where} ORDER BY {order} LIMIT %(limit)s)").format(
                 cols=_JOB_COLUMNS,
-                where=sql.SQL(" AND ").join([in_states, sql.SQL(term), *where]),
+                where=sql.SQL(" AND ").join([sql.SQL(condition), *where]),
                 order=sql.SQL(order),
             )
         )

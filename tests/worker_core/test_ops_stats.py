@@ -167,6 +167,16 @@ def test_list_jobs_reads_each_source_through_its_index(conn: db.Conn) -> None:
     plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + query, params))
     inner = plan.split("->  Limit")[-1]
     assert "job_queue_waiting_updated_idx" in inner and "Sort" not in inner, plan
+    # and no other index can stand in for it: the ready index (by priority), say, would have the planner
+    # sort every waiting job whenever its statistics expect none
+    with conn.transaction():
+        conn.execute("DROP INDEX job_queue_waiting_updated_idx")
+        for state in ("queued", None):
+            query, params = stats.list_jobs_query(state=state)
+            plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + query, params))
+            waiting = plan.split("->  Limit")[1]  # the first source's
+            assert "job_queue_ready_idx" not in waiting and "job_queue_live_idx" not in waiting, plan
+        raise psycopg.Rollback()
 
 
 def test_list_jobs_search(wconn: db.Conn, workload: dict[str, Any]) -> None:
