@@ -180,7 +180,7 @@ _JOB_COLUMNS = sql.SQL(", ").join(sql.Identifier(c) for c in Job.__dataclass_fie
 #: running ones (as many as the workers hold: sorted), finished ones by when they finished
 #: (job_queue_finished_idx; for them updated_at is finished_at). Ties (a batch settles hundreds of jobs at
 #: one timestamp) are broken by id in each source as in the merge, so the first N are the same N.
-#: Each source's condition is its index's predicate, written as migration 0009 writes it: the waiting jobs'
+#: Each source's condition is its index's predicate, written as migration 0010 writes it: the waiting jobs'
 #: in a form that implies no other index's predicate (the ready index sorted by priority would do, on
 #: statistics that expect no waiting job: sorting them all), and that no claim implies.
 _ACTIVITY_SOURCES: tuple[tuple[tuple[JobState, ...], str, str], ...] = (
