@@ -10,8 +10,10 @@ yet measured, or a slow one, goes one job per group so that slow jobs keep their
 a group's jobs one after another in one transaction, each inside its own savepoint, and commits them with
 one fenced settlement: a failing job rolls back to its savepoint only, and is settled on its own after the
 commit. The exactly-once contract is unchanged (the idempotency record, the effect and the settlement of a
-job still commit together or not at all); only the commits are shared. Jobs with a ``lock_key``, solo
-jobs and async handlers run one per transaction.
+job still commit together or not at all); only the commits are shared. The group's idempotency records are
+written by its first statement (Slot._record_group_keys), outside the jobs' savepoints: a job that fails
+deletes its own, and a handler may not end the transaction they are in (JobConnection, JobCursor). Jobs
+with a ``lock_key``, solo jobs and async handlers run one per transaction.
 """
 
 from __future__ import annotations

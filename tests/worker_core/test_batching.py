@@ -158,6 +158,17 @@ def test_a_grouped_job_killed_before_it_began_leaves_no_idempotency_record(dsn: 
     assert sorted(r["item"] for r in ledger(dsn)) == ["k0", "k2"]
 
 
+@pytest.mark.parametrize("lock_key", [None, "hit-lock"], ids=["grouped", "alone"])
+def test_an_idempotency_hit_does_not_count_as_handler_time(dsn: str, conn: db.Conn, lock_key: str | None) -> None:
+    # a hit runs no handler: counted at ~0 s it would make a slow type look fast, and its jobs fill groups
+    enqueue(conn, "t.ledger", {"item": "first"}, idempotency_key="hk")
+    run_grouped(dsn)
+    again = enqueue(conn, "t.ledger", {"item": "again"}, idempotency_key="hk", lock_key=lock_key).id
+    w = run_grouped(dsn)
+    assert state(dsn, again) == "succeeded" and [r["item"] for r in ledger(dsn)] == ["first"]
+    assert w._handler_seconds["t.ledger"] == 0.01  # as run_grouped measured it: nothing ran
+
+
 def test_grouping_can_be_turned_off(dsn: str, conn: db.Conn) -> None:
     ids = [enqueue(conn, "t.ledger", {"item": f"i{i}"}, idempotency_key=f"n{i}").id for i in range(4)]
     run_grouped(dsn, group_max=1)
