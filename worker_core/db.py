@@ -107,8 +107,9 @@ async def aconnect(
     application_name: str = "worker_core",
     autocommit: bool = False,
     connect_timeout: int = 5,
+    cls: type[AsyncConn] = psycopg.AsyncConnection,
 ) -> AsyncConn:
-    return await psycopg.AsyncConnection.connect(
+    return await cls.connect(
         dsn,
         autocommit=autocommit,
         row_factory=dict_row,

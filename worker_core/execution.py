@@ -57,6 +57,8 @@ def fill(template: bytes, values: dict[bytes, bytes]) -> bytes:
     """A statement with its ``%(name)s`` placeholders replaced by already quoted values, in one pass: a
     value (an idempotency key, say) that itself contains ``%(now)s`` is never substituted again."""
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
 #: an async handler cancels itself at its timeout; the watchdog only steps in when its event loop is stuck
 ASYNC_GRACE_MARGIN = 1.0
 
@@ -160,33 +162,52 @@ def settle_many_params(worker: Worker, batch: list[Execution]) -> dict[str, Any]
 _ENDING_TAGS = (b"COMMIT", b"PREPARE TRANSACTION", b"COMMIT PREPARED", b"ROLLBACK PREPARED")
 
 
+def _tx_ended_error() -> PermanentError:
+    return PermanentError(
+        "the handler ended ctx.tx's transaction itself (a COMMIT or ROLLBACK statement): ctx.tx commits with"
+        " the job's idempotency record and settlement"
+    )
+
+
+def _notice_end(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
+    """After a statement of a JobCursor or AsyncJobCursor: if a handler ended its transaction with it, say so
+    to the slot (Slot.tx_ended)."""
+    conn = cursor.connection
+    slot = getattr(conn, "slot", None)
+    if slot is None or not slot.handler_running:
+        return
+    idle = conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    tags = [r.command_status or b"" for r in cursor._results]
+    # ROLLBACK is also ROLLBACK TO SAVEPOINT's tag: it ends the transaction only if nothing is left open
+    if idle or any(t.startswith(_ENDING_TAGS) or (t == b"ROLLBACK" and idle) for t in tags):
+        slot.tx_ended = True
+
+
+def _refuse(slot: Slot | None, what: str) -> None:
+    """commit() and rollback() of ctx.tx, while a handler runs: the job fails."""
+    if slot is not None and slot.handler_running:
+        raise PermanentError(
+            f"a handler must not {what} ctx.tx: it commits with the job's idempotency record and settlement"
+            " (ctx.tx.transaction() makes a nested block)"
+        )
+
+
 class JobCursor(psycopg.Cursor[dict[str, Any]]):
     """The cursors of a JobConnection: a statement a handler sends through ``ctx.tx`` that ends the job's
     transaction (``ctx.tx.execute("COMMIT")``, which ``commit()``'s refusal cannot stop) is noticed
-    (Slot.tx_ended), and the job fails (Slot._run_grouped, TxEnded)."""
+    (Slot.tx_ended), and the job fails (Slot._run_grouped, TxEnded; Slot._run_sync)."""
 
     def execute(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().execute(*args, **kwargs)
         finally:
-            self._notice_end()
+            _notice_end(self)
 
     def executemany(self, *args: Any, **kwargs: Any) -> None:
         try:
             super().executemany(*args, **kwargs)
         finally:
-            self._notice_end()
-
-    def _notice_end(self) -> None:
-        conn = self.connection
-        slot = getattr(conn, "slot", None)
-        if slot is None or not slot.handler_running:
-            return
-        idle = conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
-        tags = [r.command_status or b"" for r in self._results]
-        # ROLLBACK is also ROLLBACK TO SAVEPOINT's tag: it ends the transaction only if nothing is left open
-        if idle or any(t.startswith(_ENDING_TAGS) or (t == b"ROLLBACK" and idle) for t in tags):
-            slot.tx_ended = True
+            _notice_end(self)
 
 
 class TxEnded(Exception):
@@ -201,20 +222,44 @@ class JobConnection(psycopg.Connection[dict[str, Any]]):
 
     slot: Slot | None = None
 
-    def _refuse(self, what: str) -> None:
-        if self.slot is not None and self.slot.handler_running:
-            raise PermanentError(
-                f"a handler must not {what} ctx.tx: it commits with the job's idempotency record and settlement"
-                " (ctx.tx.transaction() makes a nested block)"
-            )
-
     def commit(self) -> None:
-        self._refuse("commit")
+        _refuse(self.slot, "commit")
         super().commit()
 
     def rollback(self) -> None:
-        self._refuse("roll back")
+        _refuse(self.slot, "roll back")
         super().rollback()
+
+
+class AsyncJobCursor(psycopg.AsyncCursor[dict[str, Any]]):
+    """JobCursor for async handlers."""
+
+    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute(*args, **kwargs)
+        finally:
+            _notice_end(self)
+
+    async def executemany(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            await super().executemany(*args, **kwargs)
+        finally:
+            _notice_end(self)
+
+
+class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
+    """A slot's async connection: ``ctx.tx`` of async handlers, guarded as JobConnection is (Slot._async_job
+    says while the handler runs)."""
+
+    slot: Slot | None = None
+
+    async def commit(self) -> None:
+        _refuse(self.slot, "commit")
+        await super().commit()
+
+    async def rollback(self) -> None:
+        _refuse(self.slot, "roll back")
+        await super().rollback()
 
 
 def _is_db_error(exc: BaseException) -> bool:
@@ -518,11 +563,7 @@ class Slot:
             self.reset()
             why = db.redact(str(e).strip(), self.w.dsn)
             self.w.log.warning("could not delete the records of a broken group: %s", why)
-        exc = PermanentError(
-            "the handler ended ctx.tx's transaction itself (a COMMIT or ROLLBACK statement): ctx.tx commits with"
-            " the job's idempotency record and settlement"
-        )
-        group.failed.append((ex, exc))
+        group.failed.append((ex, _tx_ended_error()))
         self._give_back_group(group)
 
     def _unrecord_waiting(self, group: Group) -> None:
@@ -717,7 +758,15 @@ class Slot:
                 self._succeeded(ex, idempotency_hit=True)
                 return
         ex.ctx.tx = conn
-        self._call_sync(ex, task)
+        self.tx_ended = False
+        try:
+            self._call_sync(ex, task)
+        except HandlerFailure:
+            if self.tx_ended:  # what it wrote before its COMMIT stays; a retry would be a hit, losing the rest
+                raise HandlerFailure(_tx_ended_error()) from None
+            raise
+        if self.tx_ended:
+            raise HandlerFailure(_tx_ended_error())
         if not ex.ctx.tx_used and not job["idempotency_key"]:
             # no effect to commit with it: the completer settles it with others in one statement
             self.w.completer.add(ex)
@@ -734,7 +783,6 @@ class Slot:
         ex.cancel_seen = None
         ex.grace_margin = grace_margin
         ex.deadline = time.monotonic() + ex.job["timeout_seconds"]
-        self.handler_running = True
 
     def _end_handler(self, ex: Execution) -> None:
         self.handler_running = False
@@ -749,6 +797,7 @@ class Slot:
         ctx = ex.ctx
         error: BaseException | None = None
         self._begin_handler(ex)
+        self.handler_running = True
         try:
             task.fn(ctx, ex.job["payload"])
         except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError... all belong to the job
@@ -786,7 +835,11 @@ class Slot:
 
     async def _async_job(self, ex: Execution, task: Task) -> None:
         if self._aconn is None or self._aconn.closed or self._aconn.broken:
-            self._aconn = await db.aconnect(self.w.dsn, application_name=self.w.config.application_name)
+            name = self.w.config.application_name
+            opened = await db.aconnect(self.w.dsn, application_name=name, cls=AsyncJobConnection)
+            cast(AsyncJobConnection, opened).slot = self
+            opened.cursor_factory = AsyncJobCursor
+            self._aconn = opened
         aconn = self._aconn
         job, ctx = ex.job, ex.ctx
         try:
@@ -800,18 +853,25 @@ class Slot:
                     self._succeeded(ex, idempotency_hit=True)
                     return
             ctx.tx = aconn
-            handler = asyncio.ensure_future(task.fn(ctx, job["payload"]))
-            deadline = time.monotonic() + job["timeout_seconds"]
-            while not handler.done():
-                await asyncio.wait({handler}, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
-                if handler.done():
-                    break
-                if time.monotonic() >= deadline:
-                    ctx.cancel("timeout")
-                if ctx.cancelled:
-                    handler.cancel()
-                    await asyncio.wait({handler}, timeout=self.w.config.cancel_grace)
-                    break
+            self.tx_ended = False
+            self.handler_running = True  # ctx.tx is the handler's until it is done (AsyncJobConnection)
+            try:
+                handler = asyncio.ensure_future(task.fn(ctx, job["payload"]))
+                deadline = time.monotonic() + job["timeout_seconds"]
+                while not handler.done():
+                    await asyncio.wait({handler}, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+                    if handler.done():
+                        break
+                    if time.monotonic() >= deadline:
+                        ctx.cancel("timeout")
+                    if ctx.cancelled:
+                        handler.cancel()
+                        await asyncio.wait({handler}, timeout=self.w.config.cancel_grace)
+                        break
+            finally:
+                self.handler_running = False
+            if self.tx_ended:  # before its own verdict: see _run_sync
+                raise HandlerFailure(_tx_ended_error())
             if ctx.cancelled:
                 raise HandlerFailure(self._cancel_exc(ex))
             if not handler.cancelled() and handler.exception() is not None:

@@ -135,6 +135,27 @@ async def async_ok(ctx: JobContext, payload: dict[str, Any]) -> None:
         raise TransientError("async failure after write")
 
 
+@worker_core.task("t.async_self_end", retry=FAST, reason="tests need fast, bounded retries")
+async def async_self_end(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Misuses ctx.tx as t.self_commit and t.raw_commit do, from an async handler: ``how`` is "commit"
+    (``await ctx.tx.commit()``) or a statement ("COMMIT", "ROLLBACK"); then, if asked, it writes again and
+    raises."""
+    await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, payload["item"], ctx.attempt)
+    )
+    how = payload.get("how", "commit")
+    if how == "commit":
+        await ctx.tx.commit()
+    else:
+        await ctx.tx.execute(how)
+    if payload.get("then") == "raise":
+        await ctx.tx.execute(
+            "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
+            (ctx.job_id, payload["item"] + "-after", ctx.attempt),
+        )
+        raise TransientError("failed after ending its transaction")
+
+
 @worker_core.task("t.async_plain", retry=FAST, reason="tests need fast, bounded retries")
 async def async_plain(ctx: JobContext, payload: dict[str, Any]) -> None:
     """An async handler with no transactional effect."""

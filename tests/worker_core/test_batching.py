@@ -326,6 +326,39 @@ def test_a_handler_that_commits_ctx_tx_itself_fails_and_commits_nothing(dsn: str
     assert conn.execute("SELECT count(*) AS n FROM processed_keys").fetchone() == {"n": 0}
 
 
+@pytest.mark.parametrize("how", ["commit", "COMMIT", "ROLLBACK"])
+@pytest.mark.parametrize("then", [None, "raise"], ids=["then-return", "then-raise"])
+def test_an_async_handler_that_ends_ctx_tx_itself_fails(dsn: str, conn: db.Conn, how: str, then: str | None) -> None:
+    # as for sync handlers: commit() refuses, and nothing commits; a COMMIT statement cannot be stopped,
+    # so what it committed (the record and the effect before it) stays, and the job fails for good: a retry
+    # would be a hit, and what the handler wrote after it would be lost without a word
+    j = enqueue(conn, "t.async_self_end", {"item": "a", "how": how, "then": then}, idempotency_key="ak").id
+    run_burst(dsn)
+    row = job(dsn, j)
+    assert (row["state"], row["attempts"]) == ("failed", 1), row["last_error"]
+    items = [r["item"] for r in ledger(dsn)]
+    keys = {r["idempotency_key"]: r["job_id"] for r in conn.execute("SELECT * FROM processed_keys")}
+    if how == "commit":
+        assert "must not commit ctx.tx" in row["last_error"]
+        assert (items, keys) == ([], {})
+    else:
+        assert "ended ctx.tx's transaction itself" in row["last_error"]
+        assert (items, keys) == ((["a"], {"ak": j}) if how == "COMMIT" else ([], {}))
+
+
+@pytest.mark.parametrize("then", [None, "raise"], ids=["then-return", "then-raise"])
+def test_a_handler_alone_in_its_transaction_that_commits_with_a_statement_fails(
+    dsn: str, conn: db.Conn, then: str | None
+) -> None:
+    # not grouped (group_max 1): the same verdict as in a group
+    j = enqueue(conn, "t.raw_commit", {"item": "s", "then": then}, idempotency_key="sk").id
+    run_burst(dsn, group_max=1)
+    row = job(dsn, j)
+    assert (row["state"], row["attempts"]) == ("failed", 1), row["last_error"]
+    assert "ended ctx.tx's transaction itself" in row["last_error"]
+    assert [r["item"] for r in ledger(dsn)] == ["s"]
+
+
 def _run_measured(dsn: str, job_types: tuple[str, ...], **overrides: Any) -> Worker:
     wt = WorkerThread(dsn, **{**ONE_GROUP, "cancel_grace": 0.2, **overrides})
     for job_type in job_types:
