@@ -162,13 +162,31 @@ def test_stop_twice_then_restart_in_same_process(pgdata: Path) -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_stops_server(pgdata: Path, procs: list[subprocess.Popen[str]], signum: int) -> None:
-    proc = spawn(START_AND_EXIT + "time.sleep(60)\n", pgdata)
+    # from the default disposition: a run under nohup hands its children SIGHUP ignored, which is kept
+    default = f"import signal\nsignal.signal({int(signum)}, signal.SIG_DFL)\n"
+    proc = spawn(default + START_AND_EXIT + "time.sleep(60)\n", pgdata)
     procs.append(proc)
     assert proc.stdout is not None
     assert proc.stdout.readline().startswith("postgresql://")
     assert postmaster(pgdata) is not None
     proc.send_signal(signum)
     assert proc.wait(TIMEOUT) == 128 + signum
+    assert postmaster(pgdata) is None
+
+
+def test_an_ignored_sighup_stays_ignored(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
+    # a process started under nohup keeps running through a hangup, embedded server and all
+    body = "import os, signal\nsignal.signal(signal.SIGHUP, signal.SIG_IGN)\n" + START_AND_EXIT + (
+        "print(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGHUP)\n"
+        "select1(uri)\n"
+        "print('alive', flush=True)\n"
+    )
+    proc = spawn(body, pgdata)
+    procs.append(proc)
+    assert proc.wait(TIMEOUT) == 0
+    assert proc.stdout is not None
+    assert proc.stdout.read().split("\n")[1:3] == ["True", "alive"]
     assert postmaster(pgdata) is None
 
 
