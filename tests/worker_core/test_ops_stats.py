@@ -18,6 +18,7 @@ from tests.worker_core.conftest import EFFECT_TABLES
 from tests.worker_core.helpers import run_burst, wait_for
 from worker_core import FixedClock, ReadOnlyError, db, enqueue, ops, stats
 from worker_core.models import JobState
+from worker_core.sql import queries
 
 NOW = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
 
@@ -175,8 +176,35 @@ def test_list_jobs_reads_each_source_through_its_index(conn: db.Conn) -> None:
             query, params = stats.list_jobs_query(state=state)
             plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + query, params))
             waiting = plan.split("->  Limit")[1]  # the first source's
-            assert "job_queue_ready_idx" not in waiting and "job_queue_live_idx" not in waiting, plan
+            assert "job_queue_ready_idx" not in waiting and "job_queue_waiting_idx" not in waiting, plan
         raise psycopg.Rollback()
+
+
+def test_live_counts_read_the_waiting_and_running_indexes(conn: db.Conn) -> None:
+    # no index holds every live state (migration 0011: a claim makes one index entry fewer); the counts
+    # of the overview and of a --burst worker read the waiting jobs' and the running jobs' partial indexes,
+    # never the finished rows
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at) "
+        "SELECT 't.ok', 'default', '{}', 'succeeded', now() FROM generate_series(1, 20000)"
+    )
+    ids = [enqueue(conn, "t.ok", {"n": i}, queue=("a", "b")[i % 2]).id for i in range(6)]
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', locked_until = now() + interval '1 minute' WHERE id = ANY(%s)",
+        (ids[:2],),
+    )
+    conn.execute("UPDATE job_queue SET state = 'retry_scheduled' WHERE id = %s", (ids[2],))
+    conn.execute("ANALYZE job_queue")
+    burst = {
+        "now": dt.datetime.now(dt.timezone.utc), "all_queues": True, "queues": [], "job_types": ["t.ok"],
+    }  # fmt: skip
+    for name, params in (("stats_live", {"now": burst["now"]}), ("burst_remaining", burst)):
+        plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + queries[name], params))
+        assert "Seq Scan on job_queue" not in plan, plan
+        assert "job_queue_waiting_idx" in plan and "job_queue_running_idx" in plan, plan
+    assert conn.execute(queries["burst_remaining"], burst).fetchone() == {"n": 6}
+    counts = {t.queue: (t.queued, t.running, t.retry_scheduled) for t in stats.overview(conn).types}
+    assert counts == {"a": (1, 1, 1), "b": (2, 1, 0)}
 
 
 def test_list_jobs_search(wconn: db.Conn, workload: dict[str, Any]) -> None:

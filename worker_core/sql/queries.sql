@@ -417,11 +417,20 @@ ON CONFLICT (minute, queue, job_type) DO UPDATE SET
     duration_ms_sum = m.duration_ms_sum + EXCLUDED.duration_ms_sum;
 
 -- name: burst_remaining
--- What keeps a --burst worker alive: running jobs, ready jobs, and retries it must still drain.
-SELECT count(*) AS n FROM job_queue
-WHERE (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
-  AND (state IN ('running', 'retry_scheduled') OR (state = 'queued' AND scheduled_at <= %(now)s))
-  AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused));
+-- What keeps a --burst worker alive: running jobs, ready jobs, and retries it must still drain. Counted
+-- as stats_live counts (migration 0011).
+SELECT (
+    SELECT count(*) FROM job_queue
+    WHERE state = 'running'
+      AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
+      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
+) + (
+    SELECT count(*) FROM job_queue
+    WHERE (state IN ('queued', 'retry_scheduled')) IS TRUE AND scheduled_at > '-infinity'
+      AND (state = 'retry_scheduled' OR scheduled_at <= %(now)s)
+      AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
+      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
+) AS n;
 
 -- name: next_due_at
 SELECT min(scheduled_at) AS at FROM job_queue
@@ -450,14 +459,24 @@ DELETE FROM resource_locks WHERE expires_at < %(now)s;
 ------------------------------------------------------------------------------------------------------
 
 -- name: stats_live
-SELECT queue, job_type,
-       count(*) FILTER (WHERE state = 'queued') AS queued,
-       count(*) FILTER (WHERE state = 'running') AS running,
-       count(*) FILTER (WHERE state = 'retry_scheduled') AS retry_scheduled,
-       min(scheduled_at) FILTER (WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s)
-           AS oldest_ready_at
-FROM job_queue
-WHERE state IN ('queued', 'running', 'retry_scheduled')
+-- Waiting jobs through job_queue_waiting_idx (its predicate written as migration 0011 writes it), running
+-- ones through job_queue_running_idx: no index holds every live state (see 0011).
+SELECT queue, job_type, sum(queued)::bigint AS queued, sum(running)::bigint AS running,
+       sum(retry_scheduled)::bigint AS retry_scheduled, min(oldest_ready_at) AS oldest_ready_at
+FROM (
+    SELECT queue, job_type,
+           count(*) FILTER (WHERE state = 'queued') AS queued, 0 AS running,
+           count(*) FILTER (WHERE state = 'retry_scheduled') AS retry_scheduled,
+           min(scheduled_at) FILTER (WHERE scheduled_at <= %(now)s) AS oldest_ready_at
+    FROM job_queue
+    WHERE (state IN ('queued', 'retry_scheduled')) IS TRUE AND scheduled_at > '-infinity'
+    GROUP BY queue, job_type
+    UNION ALL
+    SELECT queue, job_type, 0, count(*), 0, NULL
+    FROM job_queue
+    WHERE state = 'running'
+    GROUP BY queue, job_type
+) live
 GROUP BY queue, job_type;
 
 -- name: stats_dead
