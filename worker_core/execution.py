@@ -831,6 +831,8 @@ class Slot:
             self._aconn = None
             raise HandlerFailure(e) from None
         finally:
+            if self._loop is not loop:
+                loop.close()  # dropped (see _forsake_loop): what is still pending in it never runs
             self._end_handler(ex)
 
     async def _async_job(self, ex: Execution, task: Task) -> None:
@@ -870,6 +872,8 @@ class Slot:
                         break
             finally:
                 self.handler_running = False
+            if not handler.done():
+                self._forsake_loop(aconn)
             if self.tx_ended:  # before its own verdict: see _run_sync
                 raise HandlerFailure(_tx_ended_error())
             if ctx.cancelled:
@@ -893,6 +897,16 @@ class Slot:
                 except psycopg.Error:
                     await aconn.close()
             raise
+
+    def _forsake_loop(self, aconn: db.AsyncConn) -> None:
+        """The handler swallowed its cancellation and is still a task of this slot's event loop, holding
+        ``ctx.tx``: run again, the loop would resume it inside the next async job, its writes in that job's
+        transaction. The loop is dropped (the task never runs again) and the connection closed at once."""
+        with contextlib.suppress(Exception):
+            aconn.pgconn.finish()
+        self._aconn = None
+        self._loop = None
+        self.w.log.warning("an async handler ignored its cancellation: its event loop and connection are dropped")
 
     # settling failures -------------------------------------------------------------------
 

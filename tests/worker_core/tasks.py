@@ -126,7 +126,7 @@ def stubborn(ctx: JobContext, payload: dict[str, Any]) -> None:
 
 @worker_core.task("t.async_ok", retry=FAST, reason="tests need fast, bounded retries")
 async def async_ok(ctx: JobContext, payload: dict[str, Any]) -> None:
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(payload.get("sleep", 0.01))
     await ctx.tx.execute(
         "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
         (ctx.job_id, payload.get("item", "x"), ctx.attempt),
@@ -172,6 +172,27 @@ async def async_plain(ctx: JobContext, payload: dict[str, Any]) -> None:
 )
 async def async_slow(ctx: JobContext, payload: dict[str, Any]) -> None:
     await asyncio.sleep(payload.get("seconds", 5))
+
+
+@worker_core.task(
+    "t.async_stubborn",
+    retry=FAST,
+    timeout=1,
+    visibility_timeout=10,
+    max_attempts=1,
+    reason="tests need fast, bounded retries",
+)
+async def async_stubborn(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Ignores its cancellation until ``seconds`` have passed, then writes to the ledger through ctx.tx."""
+    until = time.monotonic() + payload["seconds"]
+    while time.monotonic() < until:
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            continue
+    await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, "late", ctx.attempt)
+    )
 
 
 @worker_core.task("t.locked", retry=FAST, timeout=10, reason="tests need fast, bounded retries")

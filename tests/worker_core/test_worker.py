@@ -145,6 +145,19 @@ def test_stubborn_sync_handler_times_out_and_its_late_write_never_commits(
     assert ledger(dsn) == []
 
 
+def test_an_async_handler_that_ignores_its_cancellation_never_writes_into_the_next_job(
+    conn: db.Conn, dsn: str
+) -> None:
+    # timeout 1 s: the handler swallows its cancellation and, 2.5 s in, writes through its ctx.tx; by then
+    # the slot runs the next async job, whose transaction must not carry that write to its commit
+    j = enqueue(conn, "t.async_stubborn", {"seconds": 2.5}, priority=0).id
+    ok = enqueue(conn, "t.async_ok", {"item": "after", "sleep": 3}, priority=1).id
+    run_burst(dsn, concurrency=1, cancel_grace=0.2)
+    assert_settled(job(dsn, j), "dead_lettered", 1)
+    assert state(dsn, ok) == "succeeded"
+    assert [(r["job_id"], r["item"]) for r in ledger(dsn)] == [(ok, "after")]
+
+
 def test_async_handler_is_cancelled_at_its_timeout(conn: db.Conn, dsn: str) -> None:
     j = enqueue(conn, "t.async_slow", {"seconds": 60}).id  # timeout 1 s, max_attempts 1
     ok = enqueue(conn, "t.async_ok", {"item": "after"}).id
