@@ -169,6 +169,10 @@ def _tx_ended_error() -> PermanentError:
     )
 
 
+def _swallowed_error() -> RuntimeError:
+    return RuntimeError("the handler swallowed a database error: its transaction is aborted")
+
+
 def _notice_end(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
     """After a statement of a JobCursor or AsyncJobCursor: if a handler ended its transaction with it, say so
     to the slot (Slot.tx_ended)."""
@@ -184,7 +188,7 @@ def _notice_end(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
 
 
 def _refuse(slot: Slot | None, what: str) -> None:
-    """commit() and rollback() of ctx.tx, while a handler runs: the job fails."""
+    """commit(), rollback() and set_autocommit() of ctx.tx, while a handler runs: the job fails."""
     if slot is not None and slot.handler_running:
         raise PermanentError(
             f"a handler must not {what} ctx.tx: it commits with the job's idempotency record and settlement"
@@ -230,6 +234,10 @@ class JobConnection(psycopg.Connection[dict[str, Any]]):
         _refuse(self.slot, "roll back")
         super().rollback()
 
+    def set_autocommit(self, value: bool) -> None:  # the ``autocommit`` attribute's setter too
+        _refuse(self.slot, "switch autocommit on or off on")
+        super().set_autocommit(value)
+
 
 class AsyncJobCursor(psycopg.AsyncCursor[dict[str, Any]]):
     """JobCursor for async handlers."""
@@ -260,6 +268,10 @@ class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
     async def rollback(self) -> None:
         _refuse(self.slot, "roll back")
         await super().rollback()
+
+    async def set_autocommit(self, value: bool) -> None:
+        _refuse(self.slot, "switch autocommit on or off on")
+        await super().set_autocommit(value)
 
 
 def _is_db_error(exc: BaseException) -> bool:
@@ -662,7 +674,7 @@ class Slot:
             if self.tx_ended or status == psycopg.pq.TransactionStatus.IDLE:
                 raise TxEnded()
             if status == psycopg.pq.TransactionStatus.INERROR:
-                raise HandlerFailure(RuntimeError("the handler swallowed a database error: its transaction is aborted"))
+                raise HandlerFailure(_swallowed_error())
         except HandlerFailure as f:
             if self.tx_ended:  # it ended the transaction, then failed: its savepoint is gone with the rest
                 raise TxEnded() from None
@@ -767,6 +779,8 @@ class Slot:
             raise
         if self.tx_ended:
             raise HandlerFailure(_tx_ended_error())
+        if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            raise HandlerFailure(_swallowed_error())
         if not ex.ctx.tx_used and not job["idempotency_key"]:
             # no effect to commit with it: the completer settles it with others in one statement
             self.w.completer.add(ex)
@@ -880,6 +894,8 @@ class Slot:
                 raise HandlerFailure(self._cancel_exc(ex))
             if not handler.cancelled() and handler.exception() is not None:
                 raise HandlerFailure(handler.exception())
+            if aconn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+                raise HandlerFailure(_swallowed_error())
             if not ctx.tx_used and not job["idempotency_key"]:
                 # nothing to commit with it: the completer settles it with others, as for sync handlers
                 self.w.completer.add(ex)

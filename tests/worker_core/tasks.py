@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import Any
+
+import psycopg
 
 import worker_core
 from worker_core import JobContext, PermanentError, TransientError
@@ -55,6 +58,39 @@ def raw_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
         ctx.tx.execute("SELECT 1")
     if payload.get("then") == "raise":
         raise TransientError("failed after ending its transaction")
+
+
+@worker_core.task("t.swallow", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
+def swallow(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes its effect, then catches the database error of a statement of its own and returns as if all
+    went well: its transaction is aborted."""
+    _ledger(ctx, payload)
+    with contextlib.suppress(psycopg.Error):
+        ctx.tx.execute("SELECT 1 / 0")
+
+
+@worker_core.task("t.async_swallow", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
+async def async_swallow(ctx: JobContext, payload: dict[str, Any]) -> None:
+    await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, payload["item"], ctx.attempt)
+    )
+    with contextlib.suppress(psycopg.Error):
+        await ctx.tx.execute("SELECT 1 / 0")
+
+
+@worker_core.task("t.autocommit", retry=FAST, reason="tests need fast, bounded retries")
+def autocommit(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Switches ctx.tx to autocommit before writing: each statement would commit on its own."""
+    ctx.tx.autocommit = True
+    _ledger(ctx, payload)
+
+
+@worker_core.task("t.async_autocommit", retry=FAST, reason="tests need fast, bounded retries")
+async def async_autocommit(ctx: JobContext, payload: dict[str, Any]) -> None:
+    await ctx.tx.set_autocommit(True)
+    await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, payload["item"], ctx.attempt)
+    )
 
 
 @worker_core.task("t.flaky", retry=FAST, max_attempts=5, reason="tests need fast, bounded retries")

@@ -359,6 +359,35 @@ def test_a_handler_alone_in_its_transaction_that_commits_with_a_statement_fails(
     assert [r["item"] for r in ledger(dsn)] == ["s"]
 
 
+@pytest.mark.parametrize("how", ["grouped", "alone", "async"])
+def test_a_handler_that_swallows_a_database_error_fails_its_job(dsn: str, conn: db.Conn, how: str) -> None:
+    # its transaction is aborted: nothing of it can commit, and the job fails (it used to go back to the
+    # queue without counting an attempt when alone, for ever: the settlement's error looked like an outage)
+    job_type = "t.async_swallow" if how == "async" else "t.swallow"
+    j = enqueue(conn, job_type, {"item": "s"}).id
+    if how == "grouped":
+        _run_measured(dsn, (job_type,))
+    else:
+        run_burst(dsn, timeout=30, group_max=1 if how == "alone" else 32)
+    row = job(dsn, j)
+    assert (row["state"], row["attempts"]) == ("dead_lettered", 2), row["last_error"]
+    assert "swallowed a database error" in row["last_error"]
+    assert ledger(dsn) == []
+
+
+@pytest.mark.parametrize("job_type", ["t.autocommit", "t.async_autocommit"])
+def test_a_handler_may_not_switch_ctx_tx_to_autocommit(dsn: str, conn: db.Conn, job_type: str) -> None:
+    # each of its statements would commit on its own, and so would the next jobs' on that connection
+    j = enqueue(conn, job_type, {"item": "a"}).id
+    after = enqueue(conn, "t.ledger", {"item": "next", "fail_after_write": 1}, idempotency_key="n").id
+    run_burst(dsn, group_max=1, concurrency=1)
+    row = job(dsn, j)
+    assert row["state"] == "failed" and "autocommit" in row["last_error"], row["last_error"]
+    # the next job on the slot's connection failed once after writing: that write was rolled back
+    assert job(dsn, after)["attempts"] == 2
+    assert [(r["item"], r["attempt"]) for r in ledger(dsn)] == [("next", 2)]
+
+
 def _run_measured(dsn: str, job_types: tuple[str, ...], **overrides: Any) -> Worker:
     wt = WorkerThread(dsn, **{**ONE_GROUP, "cancel_grace": 0.2, **overrides})
     for job_type in job_types:
