@@ -512,15 +512,27 @@ class Slot:
         no more than that round trip. Returns the number of rows of the last statement."""
         return self._exec(sql, expect).ntuples
 
-    def _exec(self, sql: bytes, expect: psycopg.pq.ExecStatus) -> psycopg.pq.abc.PGresult:
-        """_raw, returning the last statement's result."""
-        conn = self.conn
+    def _exec(
+        self, sql: bytes, expect: psycopg.pq.ExecStatus, conn: db.Conn | db.AsyncConn | None = None
+    ) -> psycopg.pq.abc.PGresult:
+        """_raw, returning the last statement's result (on ``conn``, else the slot's connection)."""
+        conn = conn or self.conn
         res = conn.pgconn.exec_(sql)
         if res.status != expect:
             if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
                 raise psycopg.errors.error_from_result(res, conn.info.encoding)
             raise psycopg.OperationalError(f"unexpected result {psycopg.pq.ExecStatus(res.status).name}")
         return res
+
+    def _begin_for_handler(self, conn: db.Conn | db.AsyncConn) -> None:
+        """On a handler's first use of ``ctx.tx`` (a job alone in its transaction, or async): the job's
+        transaction begins now if none of its statements began it yet (no idempotency key), as psycopg
+        would before the first statement anyway. Else a ``ctx.tx.transaction()`` block would be a
+        transaction of its own, committed at its end, before the job's settlement and whatever the job
+        does next; begun, it is a savepoint in the job's transaction. Straight through libpq: the async
+        connection too, from the event loop's thread, while the handler waits on this property."""
+        if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            self._exec(b"BEGIN", psycopg.pq.ExecStatus.COMMAND_OK, conn)
 
     def _record_group_keys(self, jobs: list[Execution]) -> None:
         """The idempotency records of a group's jobs in one statement, in the round trip that begins its
@@ -770,6 +782,7 @@ class Slot:
                 self._succeeded(ex, idempotency_hit=True)
                 return
         ex.ctx.tx = conn
+        ex.ctx._on_tx = lambda: self._begin_for_handler(conn)
         self.tx_ended = False
         try:
             self._call_sync(ex, task)
@@ -869,6 +882,7 @@ class Slot:
                     self._succeeded(ex, idempotency_hit=True)
                     return
             ctx.tx = aconn
+            ctx._on_tx = lambda: self._begin_for_handler(aconn)
             self.tx_ended = False
             self.handler_running = True  # ctx.tx is the handler's until it is done (AsyncJobConnection)
             try:

@@ -93,6 +93,25 @@ async def async_autocommit(ctx: JobContext, payload: dict[str, Any]) -> None:
     )
 
 
+@worker_core.task("t.tx_block", retry=FAST, reason="tests need fast, bounded retries")
+def tx_block(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes its effect in a ``ctx.tx.transaction()`` block, then fails on the first ``fail_times`` attempts."""
+    with ctx.tx.transaction():
+        _ledger(ctx, payload)
+    if ctx.attempt <= payload.get("fail_times", 0):
+        raise TransientError("failed after its block")
+
+
+@worker_core.task("t.async_tx_block", retry=FAST, reason="tests need fast, bounded retries")
+async def async_tx_block(ctx: JobContext, payload: dict[str, Any]) -> None:
+    async with ctx.tx.transaction():
+        await ctx.tx.execute(
+            "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, payload["item"], ctx.attempt)
+        )
+    if ctx.attempt <= payload.get("fail_times", 0):
+        raise TransientError("failed after its block")
+
+
 @worker_core.task("t.flaky", retry=FAST, max_attempts=5, reason="tests need fast, bounded retries")
 def flaky(ctx: JobContext, payload: dict[str, Any]) -> None:
     if ctx.attempt <= payload.get("fail_times", 1):

@@ -388,6 +388,22 @@ def test_a_handler_may_not_switch_ctx_tx_to_autocommit(dsn: str, conn: db.Conn, 
     assert [(r["item"], r["attempt"]) for r in ledger(dsn)] == [("next", 2)]
 
 
+@pytest.mark.parametrize("how", ["grouped", "alone", "async"])
+def test_a_transaction_block_in_a_handler_is_nested_in_the_jobs_transaction(
+    dsn: str, conn: db.Conn, how: str
+) -> None:
+    # with no idempotency key, nothing of the job's had begun its transaction when the handler opened the
+    # block: psycopg made it a transaction of its own, committed at its end, before the job failed
+    job_type = "t.async_tx_block" if how == "async" else "t.tx_block"
+    j = enqueue(conn, job_type, {"item": "b", "fail_times": 1}).id
+    if how == "grouped":
+        _run_measured(dsn, (job_type,))
+    else:
+        run_burst(dsn, group_max=1 if how == "alone" else 32)
+    assert (job(dsn, j)["state"], job(dsn, j)["attempts"]) == ("succeeded", 2)
+    assert [(r["item"], r["attempt"]) for r in ledger(dsn)] == [("b", 2)]
+
+
 def _run_measured(dsn: str, job_types: tuple[str, ...], **overrides: Any) -> Worker:
     wt = WorkerThread(dsn, **{**ONE_GROUP, "cancel_grace": 0.2, **overrides})
     for job_type in job_types:
