@@ -516,7 +516,7 @@ class Slot:
         self, sql: bytes, expect: psycopg.pq.ExecStatus, conn: db.Conn | db.AsyncConn | None = None
     ) -> psycopg.pq.abc.PGresult:
         """_raw, returning the last statement's result (on ``conn``, else the slot's connection)."""
-        conn = conn or self.conn
+        conn = self.conn if conn is None else conn
         res = conn.pgconn.exec_(sql)
         if res.status != expect:
             if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:

@@ -217,26 +217,19 @@ async def async_plain(ctx: JobContext, payload: dict[str, Any]) -> None:
     await asyncio.sleep(0)
 
 
-@worker_core.task(
-    "t.async_slow",
-    retry=FAST,
-    timeout=1,
-    visibility_timeout=10,
-    max_attempts=1,
-    reason="tests need fast, bounded retries",
-)
+#: async handlers with a timeout of 1 s and a single attempt
+ONE_SECOND_ONCE: dict[str, Any] = {
+    "retry": FAST, "timeout": 1, "visibility_timeout": 10, "max_attempts": 1,
+    "reason": "tests need fast, bounded retries",
+}  # fmt: skip
+
+
+@worker_core.task("t.async_slow", **ONE_SECOND_ONCE)
 async def async_slow(ctx: JobContext, payload: dict[str, Any]) -> None:
     await asyncio.sleep(payload.get("seconds", 5))
 
 
-@worker_core.task(
-    "t.async_stubborn",
-    retry=FAST,
-    timeout=1,
-    visibility_timeout=10,
-    max_attempts=1,
-    reason="tests need fast, bounded retries",
-)
+@worker_core.task("t.async_stubborn", **ONE_SECOND_ONCE)
 async def async_stubborn(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Ignores its cancellation until ``seconds`` have passed, then writes to the ledger through ctx.tx."""
     until = time.monotonic() + payload["seconds"]
