@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import datetime as dt
 import signal
+import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,8 @@ def test_heartbeat_extends_the_lease_of_a_running_job(dsn: str, conn: db.Conn) -
 
 FROZEN_WORKER = textwrap.dedent(
     """
-    import sys
+    import faulthandler, signal, sys
+    faulthandler.register(signal.SIGQUIT, all_threads=True)
     from worker_core.worker import Worker, WorkerConfig
     Worker(WorkerConfig(dsn=sys.argv[1], task_modules=("tests.worker_core.tasks",), concurrency=1,
                         poll_interval=0.1, heartbeat_interval=0.3, worker_id="frozen")).run()
@@ -56,7 +59,13 @@ def test_a_frozen_worker_loses_its_job_and_cannot_settle_it_when_it_wakes(
         frozen.send_signal(signal.SIGCONT)
         # the woken worker's handler finishes its write, but its settle is fenced off and rolls back
         frozen.send_signal(signal.SIGTERM)
-        assert frozen.wait(30) == 0, (tmp_path / "frozen.log").read_text()
+        try:
+            code: int | None = frozen.wait(30)
+        except subprocess.TimeoutExpired:
+            frozen.send_signal(signal.SIGQUIT)  # faulthandler: every thread's stack, into the log
+            time.sleep(1)
+            code = None
+        assert code == 0, (tmp_path / "frozen.log").read_text()
     finally:
         if frozen.poll() is None:
             frozen.send_signal(signal.SIGCONT)
