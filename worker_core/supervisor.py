@@ -21,6 +21,7 @@ import psycopg
 from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK
 from worker_core.logs import bound_logger
+from worker_core.signals import relay_signals
 from worker_core.sql import queries
 from worker_core.worker import WorkerConfig, run_worker
 
@@ -69,10 +70,11 @@ class Supervisor:
     def stop(self) -> None:
         self._stop.set()
 
+    def _install_signals(self) -> None:
+        relay_signals(lambda signum: self.stop())  # not from the handler: see worker_core.signals
+
     def run(self) -> int:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, lambda s, f: self.stop())
+        self._install_signals()
         for slot in range(self.processes):
             self._start(slot)
         self.log.info("supervising %s worker processes", self.processes)

@@ -23,7 +23,6 @@ import os
 import queue as queue_mod
 import random
 import re
-import signal
 import socket
 import threading
 import time
@@ -47,6 +46,7 @@ from worker_core.logs import bound_logger, job_fields
 from worker_core.metrics import MetricsBuffer
 from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry
+from worker_core.signals import relay_signals
 from worker_core.sql import queries
 
 #: how often the watchdog looks at running handlers (timeouts are enforced to within this)
@@ -182,17 +182,15 @@ class Worker:
         return self._stopping.is_set()
 
     def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
+        relay_signals(self._on_signal)
 
-        def handler(signum: int, frame: Any) -> None:
-            if self._stopping.is_set():
-                self.config.shutdown_grace = 0  # second signal: release now
-            self.log.info("signal %s: stopping (grace %ss)", signum, self.config.shutdown_grace)
-            self.stop()
-
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, handler)
+    def _on_signal(self, signum: int) -> None:
+        """SIGTERM, SIGINT, SIGHUP (on the relay thread: worker_core.signals): a graceful stop; a second
+        one releases the jobs still running at once."""
+        if self._stopping.is_set():
+            self.config.shutdown_grace = 0  # second signal: release now
+        self.log.info("signal %s: stopping (grace %ss)", signum, self.config.shutdown_grace)
+        self.stop()
 
     def run(self) -> int:
         """Run until stopped (or, with ``burst``, until nothing is ready or running). Returns an exit code."""
@@ -231,9 +229,10 @@ class Worker:
         for ex in list(self._in_flight.values()):
             if not ex.begun:
                 ex.ctx.cancel("shutdown")
-        deadline = time.monotonic() + self.config.shutdown_grace
+        start = time.monotonic()
         with self._slot_free:
-            while self._in_flight and time.monotonic() < deadline:
+            # read again each time round: a second signal sets the grace to 0
+            while self._in_flight and time.monotonic() < start + self.config.shutdown_grace:
                 self._slot_free.wait(0.1)
         for ex in list(self._in_flight.values()):
             ex.ctx.cancel("shutdown")

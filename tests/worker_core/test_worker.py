@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import datetime as dt
 import signal
+import subprocess
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -487,6 +489,61 @@ def test_sigterm_with_a_short_grace_releases_the_job_with_its_attempt(
     finally:
         if again._claim_conn is not None:
             again._claim_conn.close()
+
+
+def test_a_second_sigterm_releases_the_running_job_at_once(conn: db.Conn, dsn: str, tmp_path: Path) -> None:
+    slow = enqueue(conn, "t.slow", {"seconds": 120, "ledger": True}).id
+    proc = spawn_python(WORKER_PROCESS, dsn, "120", log=tmp_path / "worker.log")  # a grace of 2 minutes
+    try:
+        wait_for(lambda: state(dsn, slow) == "running", 20, what="the worker process to start the job")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)  # the worker is in its grace period, waiting for the job
+        proc.send_signal(signal.SIGTERM)  # the operator means it: the grace ends now
+        assert proc.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    row = job(dsn, slow)
+    assert (row["state"], row["attempts"], row["locked_by"]) == ("queued", 0, None)
+
+
+SIGNAL_UNDER_LOCK = """
+import os, signal, sys
+from worker_core.supervisor import Supervisor
+from worker_core.worker import Worker, WorkerConfig
+cfg = WorkerConfig(dsn=sys.argv[1], task_modules=("tests.worker_core.tasks",))
+if sys.argv[2] == "worker":
+    target = Worker(cfg)
+    target._install_signals()
+    held, stopped = target._wake, target._stopping
+else:
+    target = Supervisor(cfg, processes=1)
+    target._install_signals()
+    held = stopped = target._stop
+with held._cond:  # as the claim loop (or the supervisor's loop) holds it in every wait() and clear()
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(10000):
+        pass  # the handler runs here, between two bytecodes, with the lock held
+print("stopping" if stopped.wait(10) else "not stopping", flush=True)
+"""
+
+
+@pytest.mark.parametrize("who", ["worker", "supervisor"])
+def test_a_signal_while_the_main_thread_holds_an_event_lock_still_stops(
+    dsn: str, tmp_path: Path, who: str
+) -> None:
+    # a handler runs between two bytecodes of the main thread: setting an Event from it waited for ever on
+    # the Event's lock when the main thread was inside that Event's wait() or clear() (a woken worker hung
+    # so on SIGTERM in CI). The handler only queues the signal; a thread of its own acts on it.
+    proc = spawn_python(SIGNAL_UNDER_LOCK, dsn, who, log=tmp_path / "out.log")
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = None
+    assert code == 0 and (tmp_path / "out.log").read_text().splitlines()[-1] == "stopping", (
+        tmp_path / "out.log"
+    ).read_text()
 
 
 def test_processes_a_payload_that_kills_its_process_is_dead_lettered_while_others_flow(
