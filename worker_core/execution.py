@@ -657,9 +657,12 @@ class Slot:
             nonlocal opened
             if ex.abandoned:  # its connection was taken away: nothing it does may reach the database
                 raise psycopg.OperationalError("the job was abandoned after its timeout")
-            ctx.tx = self.conn
+            conn = self.conn
+            if ex.abandoned:  # while it connected: the watchdog found no connection to take away
+                raise psycopg.OperationalError("the job was abandoned after its timeout")
+            ctx.tx = conn
             if not opened:
-                if self.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
                     self._raw(b"BEGIN; SAVEPOINT " + savepoint)
                 else:
                     self._raw(b"SAVEPOINT " + savepoint)

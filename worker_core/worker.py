@@ -719,7 +719,12 @@ class Worker:
                 else:
                     slot.run_group(group)
             except Abandoned:
-                return  # the watchdog gave up on this thread; its replacement settled the job
+                # the watchdog gave up on this thread; its replacement settled the job. A connection this
+                # thread opened after the watchdog took the slot's away is closed here, by its owner: left
+                # open in a transaction, its locks would hold up the job's next attempt (the same
+                # idempotency key, say) for ever
+                slot.close()
+                return
         slot.close()
 
     def groupable(self, ex: Execution) -> bool:

@@ -174,9 +174,13 @@ def slow(ctx: JobContext, payload: dict[str, Any]) -> None:
     reason="tests need fast, bounded retries",
 )
 def stubborn(ctx: JobContext, payload: dict[str, Any]) -> None:
-    """Ignores cancellation; tries to write after its timeout: the write must never commit."""
+    """Ignores cancellation; tries to write after its timeout: the write must never commit. With
+    ``sequence``, its write is a ``nextval`` of that sequence instead, which no rollback takes back."""
     time.sleep(payload.get("seconds", 2.5))
-    _ledger(ctx, payload)
+    if payload.get("sequence"):
+        ctx.tx.execute(f"SELECT nextval('{payload['sequence']}')")
+    else:
+        _ledger(ctx, payload)
 
 
 @worker_core.task("t.async_ok", retry=FAST, reason="tests need fast, bounded retries")

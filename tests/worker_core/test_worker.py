@@ -30,6 +30,7 @@ from tests.worker_core.helpers import (
     wait_for,
 )
 from worker_core import FixedClock, RetryPolicy, db, enqueue, ops
+from worker_core.execution import JobConnection
 from worker_core.supervisor import Supervisor
 from worker_core.worker import Worker
 
@@ -158,6 +159,29 @@ def test_an_async_handler_that_ignores_its_cancellation_never_writes_into_the_ne
     assert_settled(job(dsn, j), "dead_lettered", 1)
     assert state(dsn, ok) == "succeeded"
     assert [(r["job_id"], r["item"]) for r in ledger(dsn)] == [(ok, "after")]
+
+
+def test_a_handler_abandoned_while_its_connection_opens_sends_nothing_through_it(
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # it asks for ctx.tx just before its timeout (1 s); opening the slot's connection takes 1.5 s, so the
+    # watchdog abandons it meanwhile and finds no connection to take away: the connection it then gets
+    # must carry nothing of it (a sequence shows whatever reached the server, rolled back or not)
+    conn.execute("CREATE SEQUENCE late_writes")
+    j = enqueue(conn, "t.stubborn", {"seconds": 0.8, "sequence": "late_writes"}).id
+    connect = db.connect
+
+    def slow_slot_connect(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("cls") is JobConnection:
+            time.sleep(1.5)
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(db, "connect", slow_slot_connect)
+    w = run_burst(dsn, concurrency=1, cancel_grace=0.2)
+    assert w.zombies == 1
+    assert_settled(job(dsn, j), "dead_lettered", 1)
+    time.sleep(1)  # the abandoned thread has long had its connection by now
+    assert scalar(dsn, "SELECT is_called FROM late_writes") is False
 
 
 def test_async_handler_is_cancelled_at_its_timeout(conn: db.Conn, dsn: str) -> None:
