@@ -250,6 +250,10 @@ class Worker:
         for t in self._threads:
             if t.name in ("heartbeat", "watchdog"):
                 t.join(5)
+                if t.name == "heartbeat" and t.is_alive():
+                    # stuck in a statement on its connection: the final beat takes one of its own rather
+                    # than wait for that statement to end (nothing bounds it)
+                    self._hb_conn = None
         try:
             self._flush_and_beat(final=True)
         except Exception as e:

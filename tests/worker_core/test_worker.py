@@ -531,6 +531,29 @@ def test_a_second_sigterm_releases_the_running_job_at_once(conn: db.Conn, dsn: s
     assert (row["state"], row["attempts"], row["locked_by"]) == ("queued", 0, None)
 
 
+def test_a_heartbeat_stuck_in_a_statement_does_not_hold_up_the_stop(conn: db.Conn, dsn: str) -> None:
+    # the final beat (the worker's stopped_at) went through the heartbeat's connection, waiting for that
+    # connection's statement to end (no statement timeout): now it opens its own once the 5 s join is over
+    slow = enqueue(conn, "t.slow", {"seconds": 30}).id  # keeps the stop in its grace while the beat sticks
+    wt = WorkerThread(dsn, burst=False, heartbeat_interval=0.1, shutdown_grace=1, cancel_grace=0.2)
+    worker = wt.worker
+    beat = worker._flush_and_beat
+
+    def stuck_once_stopping(final: bool = False) -> None:
+        if not final and worker.stopping:
+            worker._heartbeat_conn().execute("SELECT pg_sleep(25)")
+        beat(final)
+
+    worker._flush_and_beat = stuck_once_stopping  # type: ignore[method-assign]
+    wt.start()
+    wait_for(lambda: state(dsn, slow) == "running", 10)
+    assert wt.stop(timeout=15) == 0
+    assert state(dsn, slow) == "queued"  # released at the end of the grace
+    assert scalar(dsn, "SELECT count(*) FROM workers WHERE stopped_at IS NOT NULL") == 1
+    with db.connect(dsn, autocommit=True) as c:  # the stuck statement's backend, left to the test's end
+        c.execute("SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(25)%%'")
+
+
 SIGNAL_UNDER_LOCK = """
 import os, signal, sys
 from worker_core.supervisor import Supervisor
