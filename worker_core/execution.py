@@ -61,6 +61,7 @@ def fill(template: bytes, values: dict[bytes, bytes]) -> bytes:
 
 #: an async handler cancels itself at its timeout; the watchdog only steps in when its event loop is stuck
 ASYNC_GRACE_MARGIN = 1.0
+ABANDONED = "the job was abandoned after its timeout"
 
 
 @dataclass(eq=False)
@@ -187,6 +188,14 @@ def _notice_end(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
         slot.tx_ended = True
 
 
+def _refuse_abandoned(conn: Any) -> None:
+    """A statement of a handler whose slot thread was given up (Worker._abandon) never reaches the server:
+    its transaction was ended there (Slot.end_abandoned_backends), and this holds even when that failed."""
+    slot = getattr(conn, "slot", None)
+    if slot is not None and slot.abandoned:
+        raise psycopg.OperationalError(ABANDONED)
+
+
 def _refuse(slot: Slot | None, what: str) -> None:
     """commit(), rollback() and set_autocommit() of ctx.tx, while a handler runs: the job fails."""
     if slot is not None and slot.handler_running:
@@ -202,12 +211,14 @@ class JobCursor(psycopg.Cursor[dict[str, Any]]):
     (Slot.tx_ended), and the job fails (Slot._run_grouped, TxEnded; Slot._run_sync)."""
 
     def execute(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_abandoned(self.connection)
         try:
             return super().execute(*args, **kwargs)
         finally:
             _notice_end(self)
 
     def executemany(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_abandoned(self.connection)
         try:
             super().executemany(*args, **kwargs)
         finally:
@@ -225,6 +236,8 @@ class JobConnection(psycopg.Connection[dict[str, Any]]):
     transaction with the job's settlement."""
 
     slot: Slot | None = None
+    #: its server process, read when it was opened (Slot.backend_pids)
+    backend_pid = 0
 
     def commit(self) -> None:
         _refuse(self.slot, "commit")
@@ -243,12 +256,14 @@ class AsyncJobCursor(psycopg.AsyncCursor[dict[str, Any]]):
     """JobCursor for async handlers."""
 
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_abandoned(self.connection)
         try:
             return await super().execute(*args, **kwargs)
         finally:
             _notice_end(self)
 
     async def executemany(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_abandoned(self.connection)
         try:
             await super().executemany(*args, **kwargs)
         finally:
@@ -260,6 +275,7 @@ class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
     says while the handler runs)."""
 
     slot: Slot | None = None
+    backend_pid = 0
 
     async def commit(self) -> None:
         _refuse(self.slot, "commit")
@@ -295,45 +311,79 @@ class Slot:
         self.handler_running = False
         #: the running handler ended its transaction with a statement (see JobCursor)
         self.tx_ended = False
+        #: the watchdog gave up on this slot's thread (Worker._abandon): it opens and sends nothing more
+        self.abandoned = False
 
     # connections -----------------------------------------------------------------
 
     @property
     def conn(self) -> db.Conn:
+        if self.abandoned:
+            raise psycopg.OperationalError(ABANDONED)
         if self._conn is None or self._conn.closed or self._conn.broken:
             name = self.w.config.application_name
             conn = cast(JobConnection, db.connect(self.w.dsn, application_name=name, cls=JobConnection))
             conn.slot = self
             conn.cursor_factory = JobCursor
+            conn.backend_pid = conn.info.backend_pid
             self._conn = conn
+            if self.abandoned:  # while it connected: nothing of it may reach the server through it
+                raise psycopg.OperationalError(ABANDONED)
         return self._conn
 
     def reset(self) -> None:
-        """Drop the connections: a handler may still hold them (abandoned), or they broke."""
+        """Drop the connections (they broke, or this thread was given up on). Only from this slot's own
+        thread: libpq is not thread-safe on one connection, and closing frees what a call in progress
+        reads."""
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.cancel_safe(timeout=1)
             conn.close()
         aconn, self._aconn = self._aconn, None
-        if aconn is not None and self._loop is not None and not self._loop.is_closed():
-            with contextlib.suppress(BaseException):
-                self._loop.run_until_complete(asyncio.wait_for(aconn.close(), 2))
+        if aconn is not None:
+            if self._loop is not None and not self._loop.is_closed() and not self.abandoned:
+                with contextlib.suppress(BaseException):
+                    self._loop.run_until_complete(asyncio.wait_for(aconn.close(), 2))
+            else:  # no loop to run its close in (or a stuck task of this thread's may still be in it)
+                with contextlib.suppress(Exception):
+                    aconn.pgconn.finish()
         self._loop = None
 
     def close(self) -> None:
         self.reset()
 
-    def drop_connection(self) -> None:
-        """From the watchdog, while this slot's thread is stuck in a handler: cancel what the connection
-        runs and close it, so the handler can never commit through ``ctx.tx``."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.cancel_safe(timeout=1)
-            conn.close()
-        self._aconn = None  # the stuck thread's event loop owns it; it never commits a cancelled job
-        self._loop = None
+    @property
+    def backend_pids(self) -> list[int]:
+        """The server processes of the slot's connections, as read when they were opened: from another
+        thread, libpq may not be called on them."""
+        return [pid for c in (self._conn, self._aconn) if (pid := getattr(c, "backend_pid", 0))]
+
+    def abandon(self) -> None:
+        """From the watchdog, while this slot's thread is stuck in a handler: from now on the slot opens no
+        connection and its handler's statements are refused (_refuse_abandoned). The connections stay
+        this thread's to close (reset, when the handler returns); the slot that replaces it ends their
+        server processes, and with them the abandoned transaction and its locks (end_abandoned_backends)."""
+        self.abandoned = True
+
+    def end_abandoned_backends(self, abandoned: Slot) -> None:
+        """On the slot that replaces ``abandoned``, before it settles the job: terminate the server
+        processes of the abandoned slot's connections. Its transaction holds the job's idempotency record
+        and whatever rows the handler wrote: left open until the stuck handler returns (never, perhaps),
+        they would hold up the job's next attempt. A failure is logged; the server then ends that
+        transaction when the handler returns (reset) or the worker exits."""
+        pids = abandoned.backend_pids
+        if not pids:
+            return
+        try:
+            conn = self.conn
+            params = {"pids": pids, "application_name": self.w.config.application_name}
+            conn.execute(queries["terminate_backends"], params)
+            conn.commit()
+        except psycopg.Error as e:
+            self.reset()
+            why = db.redact(str(e).strip(), self.w.dsn)
+            self.w.log.warning("could not end the abandoned handler's transaction: %s", why)
 
     def _rollback(self) -> None:
         if self._conn is not None and not self._conn.closed:
@@ -427,8 +477,10 @@ class Slot:
 
     def finish_abandoned(self, ex: Execution) -> None:
         """Settle the job of an abandoned slot thread (timed out, killed, lease lost or shutting down), and
-        the rest of its group: their transaction went with the thread's connection."""
+        the rest of its group: their transaction ends with the thread's connections."""
         w = self.w
+        if ex.slot is not None and ex.slot is not self:
+            self.end_abandoned_backends(ex.slot)
         try:
             self._after_failure(ex, self._cancel_exc(ex))
             self._finish(ex, ex.started)
@@ -516,6 +568,8 @@ class Slot:
         self, sql: bytes, expect: psycopg.pq.ExecStatus, conn: db.Conn | db.AsyncConn | None = None
     ) -> psycopg.pq.abc.PGresult:
         """_raw, returning the last statement's result (on ``conn``, else the slot's connection)."""
+        if self.abandoned:
+            raise psycopg.OperationalError(ABANDONED)
         conn = self.conn if conn is None else conn
         res = conn.pgconn.exec_(sql)
         if res.status != expect:
@@ -871,6 +925,7 @@ class Slot:
             opened = await db.aconnect(self.w.dsn, application_name=name, cls=AsyncJobConnection)
             cast(AsyncJobConnection, opened).slot = self
             opened.cursor_factory = AsyncJobCursor
+            cast(AsyncJobConnection, opened).backend_pid = opened.info.backend_pid
             self._aconn = opened
         aconn = self._aconn
         job, ctx = ex.job, ex.ctx
@@ -908,6 +963,8 @@ class Slot:
             if self.tx_ended:  # before its own verdict: see _run_sync
                 raise HandlerFailure(_tx_ended_error())
             if ctx.cancelled:
+                if handler.done() and not handler.cancelled():
+                    handler.exception()  # what it raised once cancelled is retrieved: asyncio would log it
                 raise HandlerFailure(self._cancel_exc(ex))
             if not handler.cancelled() and handler.exception() is not None:
                 raise HandlerFailure(handler.exception())

@@ -6,7 +6,8 @@ Threads of one worker process:
 - ``concurrency`` slot threads, each with its own connection: a job's transaction lives on it, and its
   handler runs on it;
 - the watchdog thread: cancels a handler at its timeout and, if it ignores that for ``cancel_grace``
-  seconds, abandons its slot thread (taking its connection away) and starts another in its place;
+  seconds, abandons its slot thread (nothing more it sends reaches the server) and starts another in its
+  place, which ends the abandoned transaction on the server before it settles the job;
 - the heartbeat thread: extends the leases of in-flight jobs (and their lock_key leases), sees kills and
   lost leases, upserts the ``workers`` row, flushes metrics and does housekeeping when it wins the lock;
 - the completer thread: settles in batches the successes that have nothing to commit with them.
@@ -759,8 +760,10 @@ class Worker:
                         self._abandon(ex)
 
     def _abandon(self, ex: Execution) -> None:
-        """The handler ignores its cancellation: give up its slot thread, take its connection away so that
-        nothing it still writes can ever commit, and start a slot thread that settles the job and goes on."""
+        """The handler ignores its cancellation: give up its slot thread (nothing it still sends reaches the
+        server, so nothing it writes can ever commit), and start a slot thread that ends its transaction,
+        settles the job and goes on. Its connections are not closed here: the stuck thread may be inside
+        libpq on them (Slot.reset)."""
         with self._exec_lock:
             if ex.deadline is None or ex.abandoned or ex.slot is None:
                 return  # it returned meanwhile
@@ -768,7 +771,7 @@ class Worker:
         slot = ex.slot
         self.zombies += 1
         ex.ctx.logger.error("handler did not stop after %s; abandoned", ex.ctx.cancel_reason)
-        slot.drop_connection()
+        slot.abandon()
         self._spawn(self._slot_main, f"slot-{slot.index}", slot.index, ex)
 
 

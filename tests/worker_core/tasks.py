@@ -256,3 +256,32 @@ def locked(ctx: JobContext, payload: dict[str, Any]) -> None:
         "INSERT INTO intervals (job_id, started, ended) VALUES (%s, to_timestamp(%s), to_timestamp(%s))",
         (ctx.job_id, start, time.time()),
     )
+
+
+#: a timeout of 1 s and a second attempt, soon after the first
+ONE_SECOND_TWICE: dict[str, Any] = {**ONE_SECOND_ONCE, "max_attempts": 2}
+
+
+@worker_core.task("t.hold", requires_idempotency_key=True, **ONE_SECOND_TWICE)
+def hold(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """First attempt: writes through ctx.tx (its idempotency record and that row stay locked in its
+    transaction), then sleeps ``seconds`` past its timeout, deaf to its cancellation, and writes again.
+    Later attempts write and return."""
+    _ledger(ctx, {"item": f"attempt {ctx.attempt}"})
+    if ctx.attempt == 1:
+        time.sleep(payload["seconds"])
+        _ledger(ctx, {"item": "late"})
+
+
+@worker_core.task("t.async_hold", requires_idempotency_key=True, **ONE_SECOND_TWICE)
+async def async_hold(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """t.hold for async handlers: the first attempt blocks its event loop, so only the watchdog can end it."""
+    await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
+        (ctx.job_id, f"attempt {ctx.attempt}", ctx.attempt),
+    )
+    if ctx.attempt == 1:
+        time.sleep(payload["seconds"])  # a stuck event loop is the point
+        await ctx.tx.execute(
+            "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, "late", ctx.attempt)
+        )

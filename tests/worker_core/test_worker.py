@@ -142,9 +142,8 @@ def test_stubborn_sync_handler_times_out_and_its_late_write_never_commits(
     assert_settled(row, "dead_lettered", 1)
     assert kinds(dsn, j) == ["timeout"]
     assert w.zombies == (1 if cancel_grace < 1.5 else 0)
-    # the handler's thread has finished its late write attempt by now: nothing of it is in the database
-    wait_for(lambda: not any(t.name == f"job-{j}" and t.is_alive() for t in threading.enumerate()), 15,
-             what="the abandoned handler to finish")  # fmt: skip
+    # once the handler's thread has made its late write attempt: nothing of it is in the database
+    wait_for(lambda: not any(t.is_alive() for t in w._threads), 15, what="the abandoned handler to finish")
     assert ledger(dsn) == []
 
 
@@ -182,6 +181,49 @@ def test_a_handler_abandoned_while_its_connection_opens_sends_nothing_through_it
     assert_settled(job(dsn, j), "dead_lettered", 1)
     time.sleep(1)  # the abandoned thread has long had its connection by now
     assert scalar(dsn, "SELECT is_called FROM late_writes") is False
+
+
+@pytest.mark.parametrize("task", ["t.hold", "t.async_hold"], ids=["sync", "async"])
+def test_an_abandoned_handler_holds_no_lock_its_next_attempt_needs(conn: db.Conn, dsn: str, task: str) -> None:
+    # the first attempt writes through ctx.tx, then stays stuck for 8 s (deaf to its timeout of 1 s; the
+    # async one blocks its event loop): its transaction holds the job's idempotency record. The second
+    # attempt needs that record: it must run and succeed while the first is still stuck, so the worker has
+    # ended the abandoned transaction on the server (the async one stayed open until the handler returned)
+    seconds = 8.0
+    j = enqueue(conn, task, {"seconds": seconds}, idempotency_key=f"hold-{task}").id
+    t0 = time.monotonic()
+    with running_worker(dsn, concurrency=1, cancel_grace=0.2) as w:
+        wait_for(lambda: state(dsn, j) == "succeeded", seconds, what="the second attempt to succeed")
+        assert time.monotonic() - t0 < seconds, "the second attempt waited for the stuck handler"
+        assert w.zombies == 1
+        # the stuck handler's late write, once it wakes, reaches nothing
+        slots = [t for t in w._threads if t.name.startswith("slot-")]  # the stuck one and its replacement
+        wait_for(lambda: sum(t.is_alive() for t in slots) == 1, seconds + 5, what="the abandoned handler to finish")
+    assert [(r["item"], r["attempt"]) for r in ledger(dsn)] == [("attempt 2", 2)]
+    assert job(dsn, j)["attempts"] == 2
+
+
+def test_only_the_thread_that_uses_a_connection_closes_it(
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # libpq is not thread-safe on one connection: the watchdog closing the connection of an abandoned
+    # handler's thread, which may be inside libpq on it at that moment, frees what that thread reads
+    closed_by: list[str] = []
+    close = JobConnection.close
+
+    def recording_close(self: JobConnection) -> None:
+        closed_by.append(threading.current_thread().name)
+        close(self)
+
+    monkeypatch.setattr(JobConnection, "close", recording_close)
+    # it writes through ctx.tx, then sleeps 2.5 s past its timeout of 1 s, holding its connection
+    j = enqueue(conn, "t.hold", {"seconds": 2.5}, idempotency_key="hold").id
+    w = run_burst(dsn, cancel_grace=0.2)
+    assert w.zombies == 1
+    assert_settled(job(dsn, j), "succeeded", 2)
+    wait_for(lambda: not any(t.is_alive() for t in w._threads), 15, what="the abandoned handler to finish")
+    assert closed_by and "watchdog" not in closed_by
+    assert [(r["item"], r["attempt"]) for r in ledger(dsn)] == [("attempt 2", 2)]
 
 
 def test_async_handler_is_cancelled_at_its_timeout(conn: db.Conn, dsn: str) -> None:
