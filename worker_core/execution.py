@@ -96,6 +96,9 @@ class Execution:
     key_recorded: bool = False
     #: its group's first statement found its key processed already
     key_hit: bool = False
+    #: a record its group wrote for it may have committed without it (a handler before it ended the group's
+    #: transaction) and could not be deleted then (Slot._unrecord_waiting): deleted before it runs again
+    stale_record: bool = False
 
 
 @dataclass(eq=False)
@@ -531,6 +534,7 @@ class Slot:
         group = Group(waiting=list(jobs))
         current: Execution | None = None
         try:
+            self._delete_stale(group.waiting)
             self._record_group_keys(group.waiting)
             n = 0
             while group.waiting:
@@ -648,13 +652,24 @@ class Slot:
         """The records the group's first statement wrote for the jobs not begun yet, once a handler ended the
         group's transaction (_tx_ended_by): committed perhaps, they are deleted at once, and those jobs record
         their keys again in the group they run in."""
-        waiting = [ex for ex in group.waiting if ex.key_recorded]
-        if waiting:
-            ids = array_literal([ex.job["id"] for ex in waiting]).encode()
-            # outside any transaction (the connection is idle): it commits at once, whatever the group does
+        waiting = [ex for ex in group.waiting if ex.key_recorded or ex.stale_record]
+        for ex in waiting:
+            ex.key_recorded = False
+            ex.stale_record = True  # until the deletion is done: the database may be gone (_delete_stale)
+        self._delete_stale(waiting)
+
+    def _delete_stale(self, jobs: list[Execution]) -> None:
+        """Delete the records that may have committed for jobs that never ran (``stale_record``), outside any
+        transaction (the connection is idle): done at once, whatever the group they run in does next. Else,
+        run again, they would find their own record and settle as hits, their handlers never run."""
+        stale = [ex for ex in jobs if ex.stale_record]
+        if stale:
+            if self.conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                self._rollback()  # nothing of these jobs' group has begun: what is open is left over
+            ids = array_literal([ex.job["id"] for ex in stale]).encode()
             self._raw(fill(UNRECORD_GROUP_KEYS, {b"ids": b"'" + ids + b"'"}))
-            for ex in waiting:
-                ex.key_recorded = False
+            for ex in stale:
+                ex.stale_record = False
 
     def _forget_key(self, ex: Execution, rollback_to: bytes | None) -> None:
         """A grouped job failed: roll back to its savepoint, if it opened one, and delete the record its

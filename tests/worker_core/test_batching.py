@@ -12,9 +12,19 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.worker_core.helpers import WorkerThread, config, job, ledger, run_burst, running_worker, state, wait_for
+from tests.worker_core.helpers import (
+    WorkerThread,
+    config,
+    job,
+    ledger,
+    metric,
+    run_burst,
+    running_worker,
+    state,
+    wait_for,
+)
 from worker_core import db, ops
-from worker_core.execution import Slot
+from worker_core.execution import UNRECORD_GROUP_KEYS, Slot, fill
 from worker_core.maintenance import analyze_if_stale
 from worker_core.producer import enqueue, enqueue_many
 from worker_core.worker import Worker
@@ -432,6 +442,32 @@ def test_a_grouped_handler_that_commits_with_a_statement_fails_and_the_next_jobs
     assert sorted(r["item"] for r in ledger(dsn)) == ["r0", "r1"]
     owners = {r["idempotency_key"]: r["job_id"] for r in conn.execute("SELECT * FROM processed_keys")}
     assert owners == {"r0": ids[0], "r1": ids[1]}
+
+
+def test_records_a_commit_left_behind_when_the_database_went_away_are_not_taken_for_processed_keys(
+    dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as above, r1's COMMIT commits the record the group wrote for r2, not begun yet; the database goes away
+    # exactly when the worker deletes it: r2 must still run, not be settled as a hit of its own record
+    jobs = [("t.ledger", {"item": "r0"}), ("t.raw_commit", {"item": "r1"}), ("t.ledger", {"item": "r2"})]
+    ids = [enqueue(conn, t, p, idempotency_key=f"r{i}", priority=i).id for i, (t, p) in enumerate(jobs)]
+    unrecord = fill(UNRECORD_GROUP_KEYS, {b"ids": b""}).split(b"ANY(")[0]
+    raw, failed = Slot._raw, []
+
+    def outage_at_unrecord(self: Slot, sql: bytes, *args: Any) -> int:
+        if sql.startswith(unrecord) and not failed:
+            failed.append(sql)
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return raw(self, sql, *args)
+
+    monkeypatch.setattr(Slot, "_raw", outage_at_unrecord)
+    _run_measured(dsn, ("t.ledger", "t.raw_commit"))
+    assert failed
+    assert [state(dsn, j) for j in ids] == ["succeeded", "failed", "succeeded"]
+    assert sorted(r["item"] for r in ledger(dsn)) == ["r0", "r1", "r2"]
+    assert metric(dsn, "idempotency_hits") == 1  # r0's, given back after the COMMIT took its effect
+    owners = {r["idempotency_key"]: r["job_id"] for r in conn.execute("SELECT * FROM processed_keys")}
+    assert owners == {"r0": ids[0], "r1": ids[1], "r2": ids[2]}
 
 
 def test_a_grouped_handler_that_rolls_back_with_a_statement_fails_and_the_jobs_before_it_run_again(
