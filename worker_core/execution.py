@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 MAX_ERROR_MESSAGE = 2000
 RECORD_GROUP_KEYS = queries["record_group_keys"].encode()
+RECORD_GROUP_KEY = queries["record_group_key"].encode()
 FORGET_GROUP_KEY = queries["forget_group_key"].encode()
 UNRECORD_GROUP_KEYS = queries["unrecord_group_keys"].encode()
 _PLACEHOLDER = re.compile(rb"%\((\w+)\)s")
@@ -306,8 +307,6 @@ class Slot:
         self._conn: JobConnection | None = None
         #: set while giving a group back, once the database could not be reached (see _write)
         self._unreachable = False
-        #: the connection worker_core_record_key is prepared on (see _open_with_key)
-        self._prepared_on: db.Conn | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aconn: db.AsyncConn | None = None
         #: a handler is running on this slot's thread (see JobConnection)
@@ -685,26 +684,23 @@ class Slot:
             self._raw(b"; ".join(sql))
 
     def _open_with_key(self, savepoint: bytes, ex: Execution) -> bool:
-        """The job's savepoint and its idempotency record in one round trip, the record through a statement
-        prepared on this connection, its parameters quoted by libpq. True: recorded; False: the key was
-        processed already."""
+        """The job's savepoint and its idempotency record in one round trip, the record's values quoted by
+        libpq (queries.sql ``record_group_key``). True: recorded; False: the key was processed already."""
         conn = self.conn
-        if self._prepared_on is not conn:
-            self._raw(queries["prepare_record_processed_key"].encode())
-            self._prepared_on = conn
         job, enc = ex.job, conn.info.encoding
         quote = psycopg.pq.Escaping(conn.pgconn).escape_literal
-        args = b", ".join(
-            (
-                quote(job["idempotency_key"].encode(enc)),
-                quote(str(job["id"]).encode()),
-                quote(job["job_type"].encode(enc)),
-                quote(self.w.clock.now().isoformat().encode()),
-                repr(float(self.w.config.idempotency_retention_seconds)).encode(),
-            )
+        record = fill(
+            RECORD_GROUP_KEY,
+            {
+                b"key": quote(job["idempotency_key"].encode(enc)),
+                b"job_id": quote(str(job["id"]).encode()),
+                b"job_type": quote(job["job_type"].encode(enc)),
+                b"now": quote(self.w.clock.now().isoformat().encode()),
+                b"retention_seconds": repr(float(self.w.config.idempotency_retention_seconds)).encode(),
+            },
         )
         begin = b"BEGIN; " if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE else b""
-        sql = begin + b"SAVEPOINT " + savepoint + b"; EXECUTE worker_core_record_key(" + args + b")"
+        sql = begin + b"SAVEPOINT " + savepoint + b"; " + record
         return self._raw(sql, psycopg.pq.ExecStatus.TUPLES_OK) == 1
 
     def _run_grouped(self, ex: Execution, group: Group, n: int) -> None:

@@ -4,6 +4,7 @@ one commit (each in its own savepoint), and planner statistics refreshed by hous
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -485,6 +486,25 @@ def test_a_grouped_handler_that_rolls_back_with_a_statement_fails_and_the_jobs_b
     assert sorted((r["item"], r["attempt"]) for r in ledger(dsn)) == [("k0", 1), ("k2", 1)]
     owners = {r["idempotency_key"]: r["job_id"] for r in conn.execute("SELECT * FROM processed_keys")}
     assert owners == {"k0": ids[0], "k2": ids[2]}
+
+
+def test_a_job_recorded_in_its_savepoint_after_psycopg_dropped_the_sessions_prepared_statements(
+    dsn: str, conn: db.Conn, caplog: pytest.LogCaptureFixture
+) -> None:
+    # one keyed job at a time, each a group of its own (its record written in its savepoint's round trip).
+    # After five, psycopg has prepared the statements it ran five times; the sixth job fails, its group's
+    # transaction is rolled back through psycopg, which then deallocates every prepared statement of the
+    # session, ours included: the jobs after it must not fail on that (their groups were given back)
+    caplog.set_level(logging.WARNING, logger="worker_core")
+    with running_worker(dsn, concurrency=1) as w:
+        for i in range(8):
+            j = enqueue(conn, "t.ledger", {"item": f"p{i}", "fail_after_write": int(i == 5)},
+                        idempotency_key=f"p{i}").id  # fmt: skip
+            conn.commit()
+            wait_for(lambda j=j: state(dsn, j) == "succeeded", what=f"job {i} to succeed")  # type: ignore[misc]
+    assert not [r.getMessage() for r in caplog.records if "database error" in r.getMessage()]
+    assert w.groups == 9  # one per attempt: none given back
+    assert sorted(r["item"] for r in ledger(dsn)) == [f"p{i}" for i in range(8)]
 
 
 def test_keys_that_look_like_placeholders_are_recorded_as_they_are(dsn: str, conn: db.Conn) -> None:

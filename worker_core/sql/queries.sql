@@ -249,12 +249,14 @@ VALUES (%(key)s, %(job_id)s, %(job_type)s, %(now)s, %(now)s + make_interval(secs
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING job_id;
 
--- name: prepare_record_processed_key
--- record_processed_key for a job of a group: prepared once per connection, then EXECUTEd with literal
--- parameters in the same simple-protocol round trip as the job's SAVEPOINT (worker.Slot._open_with_key).
-PREPARE worker_core_record_key (text, uuid, text, timestamptz, float8) AS
+-- name: record_group_key
+-- record_processed_key for one job of a group, its values written in by the worker as quoted literals, in
+-- the same simple-protocol round trip as the job's SAVEPOINT (Slot._open_with_key). Not a PREPAREd
+-- statement: psycopg deallocates every prepared statement of the session when it rolls back a transaction
+-- in which it had prepared its own, and the next EXECUTE would fail.
 INSERT INTO processed_keys (idempotency_key, job_id, job_type, processed_at, expires_at)
-VALUES ($1, $2, $3, $4, $4 + make_interval(secs => $5))
+VALUES (%(key)s, %(job_id)s::uuid, %(job_type)s, %(now)s::timestamptz,
+        %(now)s::timestamptz + make_interval(secs => %(retention_seconds)s))
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING job_id;
 
