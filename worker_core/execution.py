@@ -63,6 +63,8 @@ def fill(template: bytes, values: dict[bytes, bytes]) -> bytes:
 #: an async handler cancels itself at its timeout; the watchdog only steps in when its event loop is stuck
 ASYNC_GRACE_MARGIN = 1.0
 ABANDONED = "the job was abandoned after its timeout"
+#: how long a slot waits before it gives back the jobs of a group the database failed (they come back to it)
+OUTAGE_PAUSE = 0.5
 
 
 @dataclass(eq=False)
@@ -228,6 +230,14 @@ class JobCursor(psycopg.Cursor[dict[str, Any]]):
         finally:
             _notice_end(self)
 
+    def stream(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_abandoned(self.connection)
+        return super().stream(*args, **kwargs)
+
+    def copy(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_abandoned(self.connection)
+        return super().copy(*args, **kwargs)
+
 
 class TxEnded(Exception):
     """A grouped handler ended the group's transaction with a statement of its own."""
@@ -245,6 +255,7 @@ class JobConnection(psycopg.Connection[dict[str, Any]]):
 
     def commit(self) -> None:
         _refuse(self.slot, "commit")
+        _refuse_abandoned(self)
         super().commit()
 
     def rollback(self) -> None:
@@ -273,6 +284,14 @@ class AsyncJobCursor(psycopg.AsyncCursor[dict[str, Any]]):
         finally:
             _notice_end(self)
 
+    def stream(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_abandoned(self.connection)
+        return super().stream(*args, **kwargs)
+
+    def copy(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_abandoned(self.connection)
+        return super().copy(*args, **kwargs)
+
 
 class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
     """A slot's async connection: ``ctx.tx`` of async handlers, guarded as JobConnection is (Slot._async_job
@@ -283,6 +302,7 @@ class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
 
     async def commit(self) -> None:
         _refuse(self.slot, "commit")
+        _refuse_abandoned(self)  # its settlement too: the slot that replaced it settles the job
         await super().commit()
 
     async def rollback(self) -> None:
@@ -343,14 +363,17 @@ class Slot:
                 conn.cancel_safe(timeout=1)
             conn.close()
         aconn, self._aconn = self._aconn, None
+        loop, self._loop = self._loop, None
+        usable = loop is not None and not loop.is_closed() and not loop.is_running()
         if aconn is not None:
-            if self._loop is not None and not self._loop.is_closed() and not self.abandoned:
+            if usable and not self.abandoned:
                 with contextlib.suppress(BaseException):
-                    self._loop.run_until_complete(asyncio.wait_for(aconn.close(), 2))
+                    cast(asyncio.AbstractEventLoop, loop).run_until_complete(asyncio.wait_for(aconn.close(), 2))
             else:  # no loop to run its close in (or a stuck task of this thread's may still be in it)
                 with contextlib.suppress(Exception):
                     aconn.pgconn.finish()
-        self._loop = None
+        if usable:
+            cast(asyncio.AbstractEventLoop, loop).close()
 
     def close(self) -> None:
         self.reset()
@@ -359,7 +382,10 @@ class Slot:
     def backend_pids(self) -> list[int]:
         """The server processes of the slot's connections, as read when they were opened: from another
         thread, libpq may not be called on them."""
-        return [pid for c in (self._conn, self._aconn) if (pid := getattr(c, "backend_pid", 0))]
+        # ``_closed`` is psycopg's own flag, set by close(), a plain attribute: the pid of a closed connection may
+        # be another process's by now
+        conns = [c for c in (self._conn, self._aconn) if c is not None and not getattr(c, "_closed", True)]
+        return [pid for c in conns if (pid := getattr(c, "backend_pid", 0))]
 
     def abandon(self) -> None:
         """From the watchdog, while this slot's thread is stuck in a handler: from now on the slot opens no
@@ -379,13 +405,16 @@ class Slot:
             return
         try:
             conn = self.conn
-            params = {"pids": pids, "application_name": self.w.config.application_name}
-            conn.execute(queries["terminate_backends"], params)
+            ended = {r["pid"] for r in conn.execute(queries["terminate_backends"], {"pids": pids}) if r["terminated"]}
             conn.commit()
         except psycopg.Error as e:
             self.reset()
             why = db.redact(str(e).strip(), self.w.dsn)
             self.w.log.warning("could not end the abandoned handler's transaction: %s", why)
+            return
+        if set(pids) - ended:  # gone already (it broke, say), or not this user's to end
+            left = sorted(set(pids) - ended)
+            self.w.log.warning("could not end server processes %s of the abandoned handler (gone already?)", left)
 
     def _rollback(self) -> None:
         if self._conn is not None and not self._conn.closed:
@@ -554,6 +583,10 @@ class Slot:
             self.reset()
             if isinstance(e, psycopg.Error):
                 w.log.warning("database error around a group of jobs: %s", db.redact(str(e).strip(), w.dsn))
+                if isinstance(e, psycopg.OperationalError) and group.waiting:
+                    # the server is likely gone: the jobs not begun, given back at once, would come straight
+                    # back here, round and round, a warning each time
+                    w._stopping.wait(OUTAGE_PAUSE)
             else:
                 w.log.exception("unexpected error around a group of jobs")
             if current is not None and current not in group.effects and all(f[0] is not current for f in group.failed):
@@ -660,7 +693,10 @@ class Slot:
     def _delete_stale(self, jobs: list[Execution]) -> None:
         """Delete the records that may have committed for jobs that never ran (``stale_record``), outside any
         transaction (the connection is idle): done at once, whatever the group they run in does next. Else,
-        run again, they would find their own record and settle as hits, their handlers never run."""
+        run again, they would find their own record and settle as hits, their handlers never run. The mark
+        lives in this process only: if it exits before the database is back, or another worker claims such
+        a job when its lease ends, that job is settled as a hit. It takes a handler that sends COMMIT
+        through ctx.tx and an outage at that very moment."""
         stale = [ex for ex in jobs if ex.stale_record]
         if stale:
             if self.conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:

@@ -25,7 +25,7 @@ from tests.worker_core.helpers import (
     wait_for,
 )
 from worker_core import db, ops
-from worker_core.execution import UNRECORD_GROUP_KEYS, Slot, fill
+from worker_core.execution import OUTAGE_PAUSE, UNRECORD_GROUP_KEYS, JobConnection, Slot, fill
 from worker_core.maintenance import analyze_if_stale
 from worker_core.producer import enqueue, enqueue_many
 from worker_core.worker import Worker
@@ -505,6 +505,28 @@ def test_a_job_recorded_in_its_savepoint_after_psycopg_dropped_the_sessions_prep
     assert not [r.getMessage() for r in caplog.records if "database error" in r.getMessage()]
     assert w.groups == 9  # one per attempt: none given back
     assert sorted(r["item"] for r in ledger(dsn)) == [f"p{i}" for i in range(8)]
+
+
+def test_a_slot_that_cannot_reach_the_database_does_not_spin_on_the_jobs_it_gives_back(
+    dsn: str, conn: db.Conn, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the slots' connections fail for 1.5 s (the claims still work): the group's jobs, given back to the
+    # slots each time, are tried again every OUTAGE_PAUSE, not as fast as a refused connection comes back
+    caplog.set_level(logging.WARNING, logger="worker_core")
+    ids = [enqueue(conn, "t.ledger", {"item": f"o{i}"}, idempotency_key=f"o{i}").id for i in range(2)]
+    conn.commit()
+    connect, until = db.connect, time.monotonic() + 1.5
+
+    def refused_for_a_while(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("cls") is JobConnection and time.monotonic() < until:
+            raise psycopg.OperationalError("connection refused")
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(db, "connect", refused_for_a_while)
+    run_grouped(dsn, concurrency=1)
+    assert [state(dsn, j) for j in ids] == ["succeeded", "succeeded"]
+    errors = [r for r in caplog.records if "database error around a group" in r.getMessage()]
+    assert 1 <= len(errors) <= 1.5 / OUTAGE_PAUSE + 2
 
 
 def test_keys_that_look_like_placeholders_are_recorded_as_they_are(dsn: str, conn: db.Conn) -> None:

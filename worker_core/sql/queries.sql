@@ -283,15 +283,14 @@ DELETE FROM processed_keys WHERE job_id = ANY(%(ids)s::uuid[]);
 
 -- name: terminate_backends
 -- The server processes of an abandoned slot's connections (Slot.end_abandoned_backends): ending them rolls
--- back the stuck handler's transaction and frees its locks. Only this worker's own connections (same user,
--- database and application name), never the caller's.
+-- back the stuck handler's transaction and frees its locks. Only connections of this session's user to
+-- this database (a worker's own), never the caller's.
 SELECT pid, pg_terminate_backend(pid) AS terminated
 FROM pg_stat_activity
 WHERE pid = ANY(%(pids)s::integer[])
   AND pid <> pg_backend_pid()
   AND datname = current_database()
-  AND usename = current_user
-  AND application_name = %(application_name)s;
+  AND usename = session_user;
 
 -- name: processed_key_owner
 SELECT job_id FROM processed_keys WHERE idempotency_key = %(key)s;
