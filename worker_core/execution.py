@@ -211,7 +211,21 @@ def _refuse(slot: Slot | None, what: str) -> None:
         )
 
 
-class JobCursor(psycopg.Cursor[dict[str, Any]]):
+class _AbandonedRefused:
+    """What a cursor sends besides execute(): refused for an abandoned slot too (_refuse_abandoned)."""
+
+    connection: Any
+
+    def stream(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_abandoned(self.connection)
+        return super().stream(*args, **kwargs)  # type: ignore[misc]
+
+    def copy(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_abandoned(self.connection)
+        return super().copy(*args, **kwargs)  # type: ignore[misc]
+
+
+class JobCursor(_AbandonedRefused, psycopg.Cursor[dict[str, Any]]):
     """The cursors of a JobConnection: a statement a handler sends through ``ctx.tx`` that ends the job's
     transaction (``ctx.tx.execute("COMMIT")``, which ``commit()``'s refusal cannot stop) is noticed
     (Slot.tx_ended), and the job fails (Slot._run_grouped, TxEnded; Slot._run_sync)."""
@@ -229,14 +243,6 @@ class JobCursor(psycopg.Cursor[dict[str, Any]]):
             super().executemany(*args, **kwargs)
         finally:
             _notice_end(self)
-
-    def stream(self, *args: Any, **kwargs: Any) -> Any:
-        _refuse_abandoned(self.connection)
-        return super().stream(*args, **kwargs)
-
-    def copy(self, *args: Any, **kwargs: Any) -> Any:
-        _refuse_abandoned(self.connection)
-        return super().copy(*args, **kwargs)
 
 
 class TxEnded(Exception):
@@ -267,7 +273,7 @@ class JobConnection(psycopg.Connection[dict[str, Any]]):
         super().set_autocommit(value)
 
 
-class AsyncJobCursor(psycopg.AsyncCursor[dict[str, Any]]):
+class AsyncJobCursor(_AbandonedRefused, psycopg.AsyncCursor[dict[str, Any]]):
     """JobCursor for async handlers."""
 
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
@@ -283,14 +289,6 @@ class AsyncJobCursor(psycopg.AsyncCursor[dict[str, Any]]):
             await super().executemany(*args, **kwargs)
         finally:
             _notice_end(self)
-
-    def stream(self, *args: Any, **kwargs: Any) -> Any:
-        _refuse_abandoned(self.connection)
-        return super().stream(*args, **kwargs)
-
-    def copy(self, *args: Any, **kwargs: Any) -> Any:
-        _refuse_abandoned(self.connection)
-        return super().copy(*args, **kwargs)
 
 
 class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):

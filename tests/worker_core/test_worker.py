@@ -10,9 +10,12 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
+import psycopg
 import pytest
 
 from tests.worker_core.helpers import (
@@ -30,7 +33,7 @@ from tests.worker_core.helpers import (
     wait_for,
 )
 from worker_core import FixedClock, RetryPolicy, db, enqueue, ops
-from worker_core.execution import JobConnection
+from worker_core.execution import JobConnection, JobCursor
 from worker_core.supervisor import Supervisor
 from worker_core.worker import Worker
 
@@ -224,6 +227,30 @@ def test_only_the_thread_that_uses_a_connection_closes_it(
     wait_for(lambda: not any(t.is_alive() for t in w._threads), 15, what="the abandoned handler to finish")
     assert closed_by and "watchdog" not in closed_by
     assert [(r["item"], r["attempt"]) for r in ledger(dsn)] == [("attempt 2", 2)]
+
+
+def test_the_connection_of_an_abandoned_slot_sends_nothing(conn: db.Conn, dsn: str) -> None:
+    # whatever way a stuck handler uses ctx.tx once its slot was given up, nothing reaches the server
+    conn.execute("CREATE SEQUENCE abandoned_sends")
+    conn.commit()
+    tx = cast(JobConnection, db.connect(dsn, cls=JobConnection))
+    tx.cursor_factory = JobCursor
+    tx.slot = cast(Any, SimpleNamespace(abandoned=True, handler_running=False))
+    nextval = "SELECT nextval('abandoned_sends')"
+    attempts: list[Callable[[], object]] = [
+        lambda: tx.execute(nextval),
+        lambda: tx.cursor().executemany(nextval, [()]),
+        lambda: list(tx.cursor().stream(nextval)),
+        lambda: tx.cursor().copy(f"COPY ({nextval}) TO STDOUT").__enter__(),
+        tx.commit,
+    ]
+    try:
+        for attempt in attempts:
+            with pytest.raises(psycopg.OperationalError, match="abandoned"):
+                attempt()
+    finally:
+        tx.close()
+    assert scalar(dsn, "SELECT is_called FROM abandoned_sends") is False
 
 
 def test_async_handler_is_cancelled_at_its_timeout(conn: db.Conn, dsn: str) -> None:
