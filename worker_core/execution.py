@@ -27,7 +27,7 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -1095,8 +1095,12 @@ class Slot:
             "last_error": f"{cls}: {message}",
             "fingerprint": fingerprint(cls, message),
         }
-        if not self._write(queries["settle_error"], params, ex):
+        row = self._write(queries["settle_error"], params, ex)
+        if not row:
             return None
+        if row["state"] != state:  # killed meanwhile: not retried
+            state, scheduled_at = row["state"], None
+            ctx.logger.info("killed while it ran: cancelled, not retried")
         q, jt = job["queue"], job["job_type"]
         if kind == "timeout":
             w.metrics.add(q, jt, "timeouts")
@@ -1115,10 +1119,10 @@ class Slot:
             # cancelled (fenced too, so a job another worker holds is left alone)
             self.settle_failure(ex, Cancelled("killed"))
 
-    def _write(self, query: str, params: dict[str, Any], ex: Execution) -> bool | None:
+    def _write(self, query: str, params: dict[str, Any], ex: Execution) -> dict[str, Any] | Literal[False] | None:
         """A fenced settlement, retried through a database outage until the job's lease would have run out
-        (after that another worker owns the job and the fence would refuse us anyway). True: written;
-        False: refused by the fence; None: the database could not be reached."""
+        (after that another worker owns the job and the fence would refuse us anyway). The row it returned:
+        written; False: refused by the fence; None: the database could not be reached."""
         # a group's jobs after one that could not be written get one try each, not a lease's worth of
         # retries each (their leases expire and another worker takes them)
         deadline = 0.0 if self._unreachable else time.monotonic() + ex.job["visibility_timeout_seconds"]
@@ -1129,7 +1133,8 @@ class Slot:
                     row = self.conn.execute(query, params).fetchone()
                 if row is None:
                     ex.ctx.logger.warning("job no longer held by this worker: not settled")
-                return row is not None
+                    return False
+                return row
             except psycopg.Error as e:
                 self.reset()
                 if time.monotonic() + backoff > deadline or not _is_db_error(e):

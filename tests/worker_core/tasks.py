@@ -285,3 +285,12 @@ async def async_hold(ctx: JobContext, payload: dict[str, Any]) -> None:
         await ctx.tx.execute(
             "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, "late", ctx.attempt)
         )
+
+
+@worker_core.task("t.fail_later", retry=FAST, max_attempts=3, reason="tests need fast, bounded retries")
+def fail_later(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """First attempt: fails transiently after ``seconds``, deaf to cancellation. Later ones write the ledger."""
+    if ctx.attempt == 1:
+        time.sleep(payload["seconds"])
+        raise TransientError("failed after a while")
+    _ledger(ctx, payload)

@@ -475,6 +475,22 @@ def test_kill_of_a_running_job_is_seen_within_a_heartbeat_and_never_retried(conn
     assert metric(dsn, "cancelled") == 1 and metric(dsn, "retried") == 0
 
 
+def test_a_killed_job_whose_handler_fails_before_the_kill_is_seen_is_not_retried(conn: db.Conn, dsn: str) -> None:
+    # killed while it runs; it fails (a retryable error) before the next heartbeat (30 s) could see the kill
+    j = enqueue(conn, "t.fail_later", {"seconds": 1.0}).id
+    with running_worker(dsn, heartbeat_interval=30) as w:
+        wait_for(lambda: state(dsn, j) == "running", 10, what="the job to start")
+        assert ops.kill(conn, [j], actor=ME).changed == [j]
+        wait_for(lambda: state(dsn, j) not in ("running", "queued"), 10, what="the handler to fail")
+        time.sleep(0.5)  # a retry would be due by now (its backoff is 0.05 s)
+    row = job(dsn, j)
+    assert_settled(row, "cancelled", 1)
+    assert not row["cancel_requested"]
+    assert [(e["kind"], e["class"]) for e in row["errors"]] == [("transient", "TransientError")]
+    assert ledger(dsn) == [] and w.claimed_total == 1
+    assert metric(dsn, "cancelled") == 1 and metric(dsn, "retried") == 0
+
+
 def test_a_kill_during_a_graceful_shutdown_is_still_seen(conn: db.Conn, dsn: str) -> None:
     j = enqueue(conn, "t.slow", {"seconds": 60}).id
     wt = WorkerThread(dsn, burst=False, heartbeat_interval=0.2, shutdown_grace=60).start()

@@ -321,10 +321,13 @@ WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked
 RETURNING j.id;
 
 -- name: settle_error
+-- A job an operator killed while it ran, which failed before the worker saw the kill, is not retried: it
+-- ends cancelled (its error recorded). RETURNING the state written.
 UPDATE job_queue SET
-    state = %(state)s,
-    scheduled_at = CASE WHEN %(state)s = 'retry_scheduled' THEN %(scheduled_at)s ELSE scheduled_at END,
-    finished_at = CASE WHEN %(state)s = 'retry_scheduled' THEN NULL ELSE %(now)s END,
+    state = CASE WHEN %(state)s = 'retry_scheduled' AND cancel_requested THEN 'cancelled' ELSE %(state)s END,
+    scheduled_at = CASE WHEN %(state)s = 'retry_scheduled' AND NOT cancel_requested THEN %(scheduled_at)s
+                        ELSE scheduled_at END,
+    finished_at = CASE WHEN %(state)s = 'retry_scheduled' AND NOT cancel_requested THEN NULL ELSE %(now)s END,
     locked_until = NULL,
     errors = errors || jsonb_build_array(%(error)s::jsonb),
     last_error = %(last_error)s,
@@ -333,7 +336,7 @@ UPDATE job_queue SET
     suspect = false,
     updated_at = %(now)s
 WHERE id = %(id)s AND (state = 'running') IS TRUE AND attempts = %(attempt)s AND locked_by = %(worker)s
-RETURNING id;
+RETURNING id, state;
 
 -- name: release_job
 -- Give a claimed job back without counting the attempt: shutdown before it finished, or lock contention.
