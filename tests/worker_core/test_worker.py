@@ -547,6 +547,29 @@ def test_pause_and_resume(conn: db.Conn, dsn: str) -> None:
     assert state(dsn, held) == "succeeded"
 
 
+def test_a_dropped_job_in_a_paused_queue_does_not_hold_up_the_other_queues(conn: db.Conn, dsn: str) -> None:
+    # a job whose worker died, its lease expired, in a paused queue: only a solo claim may take it, and the
+    # pause forbids that. The worker must not stop claiming (to drain for a solo claim) on every heartbeat
+    ops.pause(conn, "stuck", actor=ME)
+    dropped = enqueue(conn, "t.ok", {}, queue="stuck").id
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'gone',"
+        " locked_until = now() - interval '1 minute' WHERE id = %s",
+        (dropped,),
+    )
+    conn.commit()
+    slow = enqueue(conn, "t.slow", {"seconds": 4}).id
+    conn.commit()
+    with running_worker(dsn, heartbeat_interval=0.1, concurrency=2):
+        wait_for(lambda: state(dsn, slow) == "running", 10, what="the slow job to start")
+        time.sleep(0.5)  # heartbeats have looked for solo work by now
+        quick = enqueue(conn, "t.ok", {}).id
+        conn.commit()
+        wait_for(lambda: state(dsn, quick) == "succeeded", 10, what="the quick job to run")
+        assert state(dsn, slow) == "running", "the quick job waited for the slow one to finish"
+    assert state(dsn, dropped) == "running"  # still the pause's
+
+
 # --------------------------------------------------------------------------- processes
 
 WORKER_PROCESS = """

@@ -220,14 +220,18 @@ ON CONFLICT (job_type, queue) DO UPDATE SET max_running = EXCLUDED.max_running, 
     WHERE concurrency_limits.source = 'task';
 
 -- name: solo_work_waiting
+-- What claim_solo would find (the same filters, paused queues included): else a worker would stop claiming
+-- to drain for a solo claim that finds nothing, on every heartbeat.
 SELECT EXISTS (
     SELECT 1 FROM job_queue
     WHERE state = 'running' AND locked_until < %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
+      AND queue <> ALL(%(paused)s::text[])
 ) OR EXISTS (
     SELECT 1 FROM job_queue
     WHERE suspect AND state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
+      AND queue <> ALL(%(paused)s::text[])
 ) AS waiting;
 
 ------------------------------------------------------------------------------------------------------
