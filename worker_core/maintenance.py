@@ -79,6 +79,18 @@ def prune_finished(conn: Conn, now: dt.datetime, retention: Retention) -> int:
     return total
 
 
+def prune_processed_keys(conn: Conn, now: dt.datetime, retention: Retention) -> int:
+    """Expired idempotency records, in batches as prune_finished: a burst of keyed jobs expires all at
+    once a retention later."""
+    total = 0
+    for _ in range(retention.max_batches):
+        n = conn.execute(queries["prune_processed_keys"], {"now": now, "limit": retention.batch}).rowcount
+        total += n
+        if n < retention.batch:
+            break
+    return total
+
+
 def housekeeping(
     conn: Conn, clock: Clock = SYSTEM_CLOCK, retention: Retention | None = None
 ) -> HousekeepingReport | None:
@@ -90,7 +102,7 @@ def housekeeping(
         won = conn.execute(queries["try_housekeeping_lock"], {"key": HOUSEKEEPING_LOCK}).fetchone()
         if not won or not won["won"]:
             return None
-        conn.execute(queries["prune_processed_keys"], {"now": now})
+        prune_processed_keys(conn, now, retention)
         conn.execute(queries["prune_resource_locks"], {"now": now})
         conn.execute(queries["prune_single_flight"], {"now": now})
         conn.execute(queries["workers_prune"], {"before": now - dt.timedelta(days=1)})

@@ -9,7 +9,9 @@ Threads of one worker process:
   seconds, abandons its slot thread (nothing more it sends reaches the server) and starts another in its
   place, which ends the abandoned transaction on the server before it settles the job;
 - the heartbeat thread: extends the leases of in-flight jobs (and their lock_key leases), sees kills and
-  lost leases, upserts the ``workers`` row, flushes metrics and does housekeeping when it wins the lock;
+  lost leases, upserts the ``workers`` row, flushes metrics;
+- the housekeeping thread, with a connection of its own: retention and rollups when it wins the lock
+  (worker_core.maintenance); a long round never holds up the heartbeat, whose leases would run out;
 - the completer thread: settles in batches the successes that have nothing to commit with them.
 
 How a slot runs a job or a group of jobs, and settles it: worker_core.execution. The completer:
@@ -154,7 +156,6 @@ class Worker:
         self._backlog = False
         #: the filters the claim connection's ``worker_core_claim`` was prepared with, and its quoting
         self._claim_prepared: tuple[dict[str, Any], Callable[[bytes], bytes]] | None = None
-        self._last_housekeeping = 0.0
         #: lease-expired jobs or suspects are waiting: drain, then claim one to run alone
         self._want_solo = True
         #: (job_type, queue scope, max running) of the limited types this worker handles; refreshed on heartbeats
@@ -211,6 +212,7 @@ class Worker:
         self._publish_contracts()
         self._heartbeat_once()  # before the heartbeat thread: they share its connection
         self._spawn(self._heartbeat_main, "heartbeat")
+        self._spawn(self._housekeeping_main, "housekeeping")
         self._spawn(self._watchdog_main, "watchdog")
         self._spawn(self.completer.run, "completer")
         self._spawn(self._listen_main, "listener")
@@ -249,12 +251,18 @@ class Worker:
         self._halted.set()
         self._stopping.set()
         for t in self._threads:
-            if t.name in ("heartbeat", "watchdog"):
+            if t.name in ("heartbeat", "watchdog", "housekeeping"):
                 t.join(5)
                 if t.name == "heartbeat" and t.is_alive():
                     # stuck in a statement on its connection: the final beat takes one of its own rather
                     # than wait for that statement to end (nothing bounds it)
                     self._hb_conn = None
+                hk = self._hk_conn
+                if t.name == "housekeeping" and t.is_alive() and hk is not None:
+                    # in a long round: cancelled (a cancel is safe from another thread), it ends and
+                    # closes its connection itself; what it did is rolled back and done next time
+                    with contextlib.suppress(Exception):
+                        hk.cancel_safe(timeout=2)
         try:
             self._flush_and_beat(final=True)
         except Exception as e:
@@ -697,9 +705,27 @@ class Worker:
             if row and row["waiting"]:
                 self._want_solo = True
                 self._wake.set()
-        if not final and time.monotonic() - self._last_housekeeping > self.config.housekeeping_interval:
-            self._last_housekeeping = time.monotonic()
-            self.housekeeping(conn)
+
+    def _housekeeping_main(self) -> None:
+        """A round at start (a fresh table's statistics: see maintenance.analyze_if_stale), then one every
+        ``housekeeping_interval``, whichever worker wins the lock. A connection for the round only: where
+        connections are scarce, it is not one the claims, the heartbeat or the completer wait for."""
+        wait = 0.0
+        while not self._halted.wait(wait):
+            wait = self.config.housekeeping_interval * random.uniform(0.9, 1.1)
+            try:
+                with db.connect(self.dsn, application_name=self.config.application_name) as conn:
+                    self._hk_conn = conn
+                    self.housekeeping(conn)
+            except psycopg.Error as e:
+                self.log.warning("housekeeping failed: %s", db.redact(str(e).strip(), self.dsn))
+            except Exception:
+                self.log.exception("housekeeping error")
+            finally:
+                self._hk_conn = None
+
+    #: the housekeeping round's connection, while it runs (cancelled at shutdown if the round is long)
+    _hk_conn: db.Conn | None = None
 
     def housekeeping(self, conn: db.Conn) -> bool:
         """Retention and rollups (worker_core.maintenance), if this worker wins the lock for them."""

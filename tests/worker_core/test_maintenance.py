@@ -75,3 +75,29 @@ def test_dedup_hits_are_counted_for_the_window(conn: db.Conn) -> None:
     assert [r.created for r in results] == [False, True]
     by_type = {t.job_type: t for t in stats.overview(conn).types}
     assert by_type["t.ok"].dedup_hits == 2
+
+
+def test_expired_idempotency_records_go_in_batches_but_not_while_a_job_may_still_run_with_the_key(
+    conn: db.Conn,
+) -> None:
+    clock = FixedClock(T0)
+    keys = [f"k{i}" for i in range(7)]
+    conn.execute(
+        "INSERT INTO processed_keys (idempotency_key, job_id, job_type, processed_at, expires_at)"
+        " SELECT k, gen_random_uuid(), 't.ok', %s, %s FROM unnest(%s::text[]) k",
+        (T0, T0 + dt.timedelta(days=7), keys),
+    )
+    # a duplicate of k0 still waits (scheduled far ahead), one of k1 was dead-lettered (requeueable), one
+    # of k2 succeeded long ago (the record's own job, say)
+    enqueue(conn, "t.ok", {}, idempotency_key="k0", clock=clock)
+    enqueue(conn, "t.ok", {}, idempotency_key="k1", clock=clock)
+    conn.execute("UPDATE job_queue SET state = 'dead_lettered', finished_at = %s WHERE idempotency_key = 'k1'", (T0,))
+    enqueue(conn, "t.ok", {}, idempotency_key="k2", clock=clock)
+    conn.execute("UPDATE job_queue SET state = 'succeeded', finished_at = %s WHERE idempotency_key = 'k2'", (T0,))
+    clock.set(T0 + dt.timedelta(days=7, seconds=1))
+    assert housekeeping(conn, clock, Retention(failed_seconds=30 * 86400, batch=2, max_batches=2)) is not None
+    left = sorted(r["idempotency_key"] for r in conn.execute("SELECT idempotency_key FROM processed_keys"))
+    assert left == ["k0", "k1", "k6"]  # 2 batches of 2 went, k6 waits for the next round
+    assert housekeeping(conn, clock, Retention(failed_seconds=30 * 86400, batch=2, max_batches=2)) is not None
+    left = sorted(r["idempotency_key"] for r in conn.execute("SELECT idempotency_key FROM processed_keys"))
+    assert left == ["k0", "k1"]

@@ -570,6 +570,32 @@ def test_a_dropped_job_in_a_paused_queue_does_not_hold_up_the_other_queues(conn:
     assert state(dsn, dropped) == "running"  # still the pause's
 
 
+def test_a_long_housekeeping_round_does_not_hold_up_the_heartbeat(
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a round that takes long (a large backlog to prune): meanwhile the worker beats, and runs jobs
+    in_round, release = threading.Event(), threading.Event()
+
+    def long_round(self: Worker, hk_conn: db.Conn) -> bool:
+        in_round.set()
+        release.wait(20)
+        return True
+
+    monkeypatch.setattr(Worker, "housekeeping", long_round)
+    beat = "SELECT last_heartbeat_at FROM workers WHERE id = %s"
+    try:
+        with running_worker(dsn, heartbeat_interval=0.1) as w:
+            assert in_round.wait(10)
+            first = wait_for(lambda: scalar(dsn, beat, (w.id,)), 10, what="a first beat")
+            wait_for(lambda: scalar(dsn, beat, (w.id,)) > first, 5, what="a beat during the round")
+            j = enqueue(conn, "t.ok", {}).id
+            conn.commit()
+            wait_for(lambda: state(dsn, j) == "succeeded", 10, what="a job to run during the round")
+            release.set()
+    finally:
+        release.set()
+
+
 # --------------------------------------------------------------------------- processes
 
 WORKER_PROCESS = """

@@ -468,7 +468,20 @@ SELECT name FROM queues WHERE paused ORDER BY name;
 SELECT pg_try_advisory_xact_lock(%(key)s) AS won;
 
 -- name: prune_processed_keys
-DELETE FROM processed_keys WHERE expires_at < %(now)s;
+-- Expired idempotency records, oldest first, in batches. Not one whose key a job still holds that may run
+-- again (waiting or running, or failed, dead-lettered or cancelled, which an operator may requeue): its
+-- effect stays at most once for as long as such a job exists.
+WITH doomed AS (
+    SELECT p.idempotency_key FROM processed_keys p
+    WHERE p.expires_at < %(now)s
+      AND NOT EXISTS (
+          SELECT 1 FROM job_queue j
+          WHERE j.idempotency_key = p.idempotency_key AND j.state <> 'succeeded')
+    ORDER BY p.expires_at
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+)
+DELETE FROM processed_keys p USING doomed d WHERE p.idempotency_key = d.idempotency_key;
 
 -- name: prune_resource_locks
 DELETE FROM resource_locks WHERE expires_at < %(now)s;
