@@ -356,13 +356,23 @@ class Worker:
         if self._filters_at is None:
             self._refresh_claim_filters(conn)
         rows: list[dict[str, Any]] = []
-        # each claim is one statement on an autocommit connection: atomic, and one round trip
-        if not self._in_flight and self._want_solo:
-            rows = conn.execute(queries["claim_solo"], self._claim_params(1)).fetchall()
-            self._want_solo = bool(rows)
-        if not rows or all(r["state"] != "running" for r in rows):
-            rows += self._claim_ready(conn, limit)
-            rows += self._claim_limited(conn, limit - len(rows))
+        # each claim is one statement on an autocommit connection: atomic, and one round trip. Once one has
+        # committed, its jobs are this worker's: a later one that fails must not lose them (nothing would
+        # run or beat for them until their leases ran out)
+        try:
+            if not self._in_flight and self._want_solo:
+                rows = conn.execute(queries["claim_solo"], self._claim_params(1)).fetchall()
+                self._want_solo = bool(rows)
+            if not rows or all(r["state"] != "running" for r in rows):
+                rows += self._claim_ready(conn, limit)
+                rows += self._claim_limited(conn, limit - len(rows))
+        except psycopg.Error as e:
+            if not rows:
+                raise
+            self.log.warning("claim failed (%s); running the %s jobs claimed before", db.redact(str(e).strip(),
+                             self.dsn), len(rows))  # fmt: skip
+            self._claim_conn = None
+            self._close_quietly(conn)
         running = []
         for row in rows:
             if row["reclaimed"]:
@@ -726,6 +736,12 @@ class Worker:
 
     #: the housekeeping round's connection, while it runs (cancelled at shutdown if the round is long)
     _hk_conn: db.Conn | None = None
+
+    @staticmethod
+    def _close_quietly(conn: db.Conn | None) -> None:
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def housekeeping(self, conn: db.Conn) -> bool:
         """Retention and rollups (worker_core.maintenance), if this worker wins the lock for them."""

@@ -596,6 +596,29 @@ def test_a_long_housekeeping_round_does_not_hold_up_the_heartbeat(
         release.set()
 
 
+def test_jobs_claimed_before_a_later_claim_statement_fails_still_run(
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the main claim committed; the claims for limited types that follow it fail (the connection broke):
+    # what the first one claimed must still run now, not wait out its lease (60 s) held by nobody
+    j = enqueue(conn, "t.ok", {}, timeout_seconds=10, visibility_timeout_seconds=60).id
+    conn.commit()
+    failed: list[bool] = []
+
+    def broken(self: Worker, claim_conn: db.Conn, free: int) -> list[dict[str, Any]]:
+        if not failed:
+            failed.append(True)
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return []
+
+    monkeypatch.setattr(Worker, "_claim_limited", broken)
+    with running_worker(dsn) as w:
+        wait_for(lambda: state(dsn, j) == "succeeded", 10, what="the claimed job to run")
+    assert failed
+    row = job(dsn, j)
+    assert (row["attempts"], row["lease_expirations"]) == (1, 0) and w.claimed_total == 1
+
+
 # --------------------------------------------------------------------------- processes
 
 WORKER_PROCESS = """
