@@ -1054,6 +1054,14 @@ class Slot:
                 ex.ctx.logger.info("worker shutting down: job released")
                 self.release(ex, 0.0)
                 return
+            if exc.reason == "lock_lost":
+                # what it did without the lock was rolled back; it runs again, its attempt given back
+                delay = self.w.config.lock_contention_delay * random.uniform(0.8, 1.5)
+                ex.ctx.logger.warning("lost its lock %s while running: rolled back, again in %.1fs", ex.job["lock_key"],
+                                      delay)  # fmt: skip
+                self.w.metrics.add(ex.job["queue"], ex.job["job_type"], "lock_contention")
+                self.release(ex, delay)
+                return
         self.settle_failure(ex, exc)
 
     def settle_failure(self, ex: Execution, exc: BaseException) -> str | None:

@@ -665,6 +665,20 @@ class Worker:
 
     _hb_conn: db.Conn | None = None
 
+    def _extend_lock(self, conn: db.Conn, ex: Execution) -> None:
+        """A running job's lock_key lease, extended with its job lease. Lost (it ran out and another job
+        holds it now): the job is cancelled, and commits nothing of what it did without the lock
+        (Slot._after_failure gives it back). The backend failing (Redis gone): tried again next beat, the
+        other jobs' beats and the worker's go on meanwhile."""
+        assert ex.lock is not None
+        try:
+            held = self.locks.extend(conn, ex.lock[0], ex.lock[1], lease_seconds(ex.job["visibility_timeout_seconds"]))
+        except Exception as e:
+            ex.ctx.logger.warning("could not extend the lease of lock %s: %s", ex.lock[0], db.redact(str(e), self.dsn))
+            return
+        if not held:
+            ex.ctx.cancel("lock_lost")
+
     def _heartbeat_conn(self) -> db.Conn:
         if self._hb_conn is None or self._hb_conn.closed or self._hb_conn.broken:
             self._hb_conn = db.connect(self.dsn, application_name=self.config.application_name)
@@ -688,7 +702,7 @@ class Worker:
                 elif r["cancel_requested"]:
                     ex.ctx.cancel("killed")
                 elif ex.lock is not None:
-                    self.locks.extend(conn, ex.lock[0], ex.lock[1], lease_seconds(ex.job["visibility_timeout_seconds"]))
+                    self._extend_lock(conn, ex)
         with conn.transaction():
             if final:
                 conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})

@@ -34,6 +34,7 @@ from tests.worker_core.helpers import (
 )
 from worker_core import FixedClock, RetryPolicy, db, enqueue, ops
 from worker_core.execution import JobConnection, JobCursor
+from worker_core.locks import PostgresLocks
 from worker_core.supervisor import Supervisor
 from worker_core.worker import Worker
 
@@ -419,6 +420,45 @@ def test_jobs_sharing_a_lock_key_never_overlap(conn: db.Conn, dsn: str) -> None:
     _assert_never_overlapped(dsn, ids)
     assert state(dsn, free) == "succeeded"
     assert scalar(dsn, "SELECT count(*) FROM resource_locks") == 0  # every lease released
+
+
+def test_a_job_that_loses_its_lock_key_lease_while_it_runs_commits_nothing_and_runs_again(
+    conn: db.Conn, dsn: str
+) -> None:
+    # 0.3 s into its 1.5 s, another holder has the lease (this one's ran out, say): the heartbeat cannot
+    # extend it. The job must not commit what it did without the lock; it runs again once the lock is free
+    j = enqueue(conn, "t.locked", {"seconds": 1.5}, lock_key="order:stolen").id
+    conn.commit()
+    with running_worker(dsn, heartbeat_interval=0.1, lock_contention_delay=0.2):
+        wait_for(lambda: scalar(dsn, "SELECT count(*) FROM resource_locks") == 1, 10, what="the lock to be taken")
+        time.sleep(0.3)
+        stolen_at = scalar(
+            dsn,
+            "UPDATE resource_locks SET token = 'thief', expires_at = now() + interval '1 second'"
+            " WHERE lock_key = 'order:stolen' RETURNING now()",
+        )
+        wait_for(lambda: state(dsn, j) == "succeeded", 20, what="the job to run again and succeed")
+    rows = conn.execute("SELECT started FROM intervals WHERE job_id = %s", (j,)).fetchall()
+    assert len(rows) == 1 and rows[0]["started"] > stolen_at  # the run that held the lock, only
+    assert job(dsn, j)["attempts"] == 1  # given back, not failed
+
+
+def test_a_lock_backend_that_fails_to_extend_a_lease_does_not_stop_the_heartbeat(
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unreachable(*args: Any) -> bool:
+        raise ConnectionError("lock backend unreachable")
+
+    monkeypatch.setattr(PostgresLocks, "extend", unreachable)
+    j = enqueue(conn, "t.locked", {"seconds": 4}, lock_key="order:flaky").id
+    conn.commit()
+    beat = "SELECT last_heartbeat_at FROM workers WHERE id = %s"
+    with running_worker(dsn, heartbeat_interval=0.1) as w:
+        wait_for(lambda: state(dsn, j) == "running", 10, what="the job to start")
+        first = scalar(dsn, beat, (w.id,))
+        # well within the job's 4 s
+        wait_for(lambda: scalar(dsn, beat, (w.id,)) > first, 2, what="a beat while the lease cannot be extended")
+        wait_for(lambda: state(dsn, j) == "succeeded", 10, what="the job to finish")
 
 
 REDIS = "redis://127.0.0.1:6379/15"
