@@ -80,13 +80,16 @@ class Completer:
                     try:
                         self._flush(batch)
                         backoff = 0.05
-                    except psycopg.Error as e:
-                        self._conn = None
+                    except Exception as e:  # the thread must live on: the batch is tried again
+                        if isinstance(e, psycopg.Error):
+                            self._conn = None
+                            self.w.log.warning("completer: %s; retrying", db.redact(str(e).strip(), self.w.dsn))
+                        else:
+                            self.w.log.exception("completer error; retrying")
                         self._pending.extendleft(reversed(batch))
-                        if stopping and time.monotonic() > self._give_up_at:
+                        if self._stop.is_set() and time.monotonic() > self._give_up_at:
                             self.w.log.warning("completer: %s jobs not settled: they run again", len(self._pending))
                             return
-                        self.w.log.warning("completer: %s; retrying", db.redact(str(e).strip(), self.w.dsn))
                         time.sleep(backoff)
                         backoff = min(backoff * 2, 5.0)
                 if stopping:

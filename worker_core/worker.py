@@ -554,9 +554,15 @@ class Worker:
         return self.config.poll_interval * random.uniform(0.9, 1.1)
 
     def _burst_done(self) -> bool:
-        conn = self._conn_for_claims()
-        with conn.transaction():
-            row = conn.execute(queries["burst_remaining"], self._claim_params(0)).fetchone()
+        """Nothing ready or running for this worker. A database error is not an answer: not done."""
+        try:
+            conn = self._conn_for_claims()
+            with conn.transaction():
+                row = conn.execute(queries["burst_remaining"], self._claim_params(0)).fetchone()
+        except psycopg.Error as e:
+            self.log.warning("could not tell whether the burst is done: %s", db.redact(str(e).strip(), self.dsn))
+            self._claim_conn = None
+            return False
         return row is not None and row["n"] == 0
 
     def _dispatch(self, row: dict[str, Any]) -> Execution:
@@ -802,18 +808,24 @@ class Worker:
     def _watchdog_main(self) -> None:
         """Timeouts and stuck handlers: see the module docstring."""
         while not self._halted.wait(WATCHDOG_TICK):
-            now = time.monotonic()
-            for ex in list(self._in_flight.values()):
-                deadline = ex.deadline
-                if deadline is None:
-                    continue
-                if now >= deadline:
-                    ex.ctx.cancel("timeout")
-                if ex.ctx.cancel_reason is not None:
-                    if ex.cancel_seen is None:
-                        ex.cancel_seen = now
-                    elif now - ex.cancel_seen >= self.config.cancel_grace + ex.grace_margin:
-                        self._abandon(ex)
+            try:
+                self._watchdog_tick()
+            except Exception:  # without it no timeout is enforced: it goes on, next tick tries again
+                self.log.exception("watchdog error")
+
+    def _watchdog_tick(self) -> None:
+        now = time.monotonic()
+        for ex in list(self._in_flight.values()):
+            deadline = ex.deadline
+            if deadline is None:
+                continue
+            if now >= deadline:
+                ex.ctx.cancel("timeout")
+            if ex.ctx.cancel_reason is not None:
+                if ex.cancel_seen is None:
+                    ex.cancel_seen = now
+                elif now - ex.cancel_seen >= self.config.cancel_grace + ex.grace_margin:
+                    self._abandon(ex)
 
     def _abandon(self, ex: Execution) -> None:
         """The handler ignores its cancellation: give up its slot thread (nothing it still sends reaches the

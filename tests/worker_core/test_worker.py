@@ -659,6 +659,62 @@ def test_jobs_claimed_before_a_later_claim_statement_fails_still_run(
     assert (row["attempts"], row["lease_expirations"]) == (1, 0) and w.claimed_total == 1
 
 
+def _once(exc: BaseException, then: Callable[..., Any]) -> Callable[..., Any]:
+    """A stand-in that raises ``exc`` the first time, then calls ``then``."""
+    calls: list[int] = []
+
+    def f(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise exc
+        return then(*args, **kwargs)
+
+    return f
+
+
+def test_a_burst_worker_survives_a_database_error_while_it_checks_whether_it_is_done(
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    j = enqueue(conn, "t.ok", {}).id
+    conn.commit()
+    params, failed = Worker._claim_params, []
+
+    def lost_once(self: Worker, limit: int) -> dict[str, Any]:
+        if limit == 0 and not failed:  # the burst's check (burst_remaining)
+            failed.append(True)
+            raise psycopg.OperationalError("connection lost")
+        return params(self, limit)
+
+    monkeypatch.setattr(Worker, "_claim_params", lost_once)
+    run_burst(dsn)  # exits 0
+    assert failed
+    assert state(dsn, j) == "succeeded"
+
+
+def test_the_watchdog_survives_an_error_and_goes_on_enforcing_timeouts(
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # abandoning the stubborn handler fails once (no thread could be started, say): the next tick does it
+    monkeypatch.setattr(Worker, "_abandon", _once(RuntimeError("can't start new thread"), Worker._abandon))
+    j = enqueue(conn, "t.stubborn", {"seconds": 2.5, "item": "late"}).id
+    w = run_burst(dsn, cancel_grace=0.2)
+    assert w.zombies == 1  # the watchdog lived on (the handler returned by itself before)
+    assert_settled(job(dsn, j), "dead_lettered", 1)
+
+
+def test_the_completer_survives_an_error_of_its_own(
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker_core.completer
+
+    params = worker_core.completer.settle_many_params
+    monkeypatch.setattr(worker_core.completer, "settle_many_params", _once(ValueError("a bug"), params))
+    ids = [enqueue(conn, "t.ok", {}).id for _ in range(3)]
+    conn.commit()
+    run_burst(dsn, timeout=20)
+    assert [state(dsn, j) for j in ids] == ["succeeded"] * 3
+
+
 # --------------------------------------------------------------------------- processes
 
 WORKER_PROCESS = """
