@@ -59,7 +59,8 @@ class Completer:
 
     def _connect(self) -> db.Conn:
         if self._conn is None or self._conn.closed or self._conn.broken:
-            self._conn = db.connect(self.w.dsn, application_name=self.w.config.application_name)
+            name = self.w.config.application_name
+            self._conn = db.connect(self.w.dsn, application_name=name, statement_timeout_ms=db.OWN_STATEMENT_TIMEOUT_MS)
         return self._conn
 
     def run(self) -> None:

@@ -71,8 +71,42 @@ def redact(text: str, dsn: str | None) -> str:
     return text
 
 
-def _options(statement_timeout_ms: int | None, read_only: bool) -> str | None:
+#: libpq's TCP keepalives and user timeout, where the DSN sets none of its own: a server that vanished (a
+#: failover, a cut network, a host powered off) is noticed in about half a minute. Without them a
+#: connection waiting for a reply waits for ever (the kernel gives up only on data it is still sending),
+#: and a heartbeat or a completer stuck so would let every lease of its worker run out. Ignored over Unix
+#: sockets. A long statement is not affected: a live server's kernel answers the probes meanwhile.
+TCP_DEFAULTS = {
+    "keepalives": "1",
+    "keepalives_idle": "15",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+
+
+#: the statements of a worker's own connections (claims, beats, settlements), all short: one stuck longer
+#: (waiting on a lock an operator's open transaction holds, say) fails, is logged and is tried again,
+#: rather than hang its thread while the leases it should extend run out
+OWN_STATEMENT_TIMEOUT_MS = 30_000
+
+
+def _tcp_defaults(dsn: str) -> dict[str, Any]:
+    try:
+        given = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return {}  # the connection attempt reports what is wrong with it
+    return {k: v for k, v in TCP_DEFAULTS.items() if k not in given}
+
+
+def _options(dsn: str, statement_timeout_ms: int | None, read_only: bool) -> str | None:
+    """Server settings for the connection, after the DSN's own ``options`` (which a keyword would replace)."""
     opts = []
+    try:
+        if given := conninfo_to_dict(dsn).get("options"):
+            opts.append(str(given))
+    except psycopg.ProgrammingError:
+        pass
     if statement_timeout_ms:
         opts.append(f"-c statement_timeout={int(statement_timeout_ms)}")
     if read_only:
@@ -94,10 +128,10 @@ def connect(
     kwargs: dict[str, Any] = {
         "application_name": application_name,
         "connect_timeout": connect_timeout,
+        **_tcp_defaults(dsn),
     }
-    options = _options(statement_timeout_ms, read_only)
-    if options:
-        kwargs["options"] = options
+    if statement_timeout_ms or read_only:
+        kwargs["options"] = _options(dsn, statement_timeout_ms, read_only)
     return cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
 
 
@@ -115,6 +149,7 @@ async def aconnect(
         row_factory=dict_row,
         application_name=application_name,
         connect_timeout=connect_timeout,
+        **_tcp_defaults(dsn),
     )
 
 

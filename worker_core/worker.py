@@ -52,6 +52,8 @@ from worker_core.registry import registry as global_registry
 from worker_core.signals import relay_signals
 from worker_core.sql import queries
 
+#: a housekeeping round's statements (batches of deletes, an ANALYZE of a large table)
+HOUSEKEEPING_TIMEOUT_MS = 300_000
 #: how often the watchdog looks at running handlers (timeouts are enforced to within this)
 WATCHDOG_TICK = 0.05
 #: full groups of fast jobs a worker may hold beyond its slots' and prefetch's jobs (see Worker.max_in_flight):
@@ -293,7 +295,12 @@ class Worker:
 
     def _conn_for_claims(self) -> db.Conn:
         if self._claim_conn is None or self._claim_conn.closed or self._claim_conn.broken:
-            conn = db.connect(self.dsn, application_name=self.config.application_name, autocommit=True)
+            conn = db.connect(
+                self.dsn,
+                application_name=self.config.application_name,
+                autocommit=True,
+                statement_timeout_ms=db.OWN_STATEMENT_TIMEOUT_MS,
+            )
             # its statements are prepared (no parse per call) but planned with each call's parameters (the
             # solo and limited lanes: a generic plan cannot see that no queue is paused), except the main
             # claim, prepared with its filters written in (_claim_ready)
@@ -687,7 +694,8 @@ class Worker:
 
     def _heartbeat_conn(self) -> db.Conn:
         if self._hb_conn is None or self._hb_conn.closed or self._hb_conn.broken:
-            self._hb_conn = db.connect(self.dsn, application_name=self.config.application_name)
+            name, timeout = self.config.application_name, db.OWN_STATEMENT_TIMEOUT_MS
+            self._hb_conn = db.connect(self.dsn, application_name=name, statement_timeout_ms=timeout)
         return self._hb_conn
 
     def _flush_and_beat(self, final: bool = False) -> None:
@@ -744,7 +752,8 @@ class Worker:
         while not self._halted.wait(wait):
             wait = self.config.housekeeping_interval * random.uniform(0.9, 1.1)
             try:
-                with db.connect(self.dsn, application_name=self.config.application_name) as conn:
+                name, timeout = self.config.application_name, HOUSEKEEPING_TIMEOUT_MS
+                with db.connect(self.dsn, application_name=name, statement_timeout_ms=timeout) as conn:
                     self._hk_conn = conn
                     self.housekeeping(conn)
             except psycopg.Error as e:
