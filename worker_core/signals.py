@@ -16,6 +16,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: what a supervisor sends its worker processes: stop within the grace, and never the "second signal" that
+#: ends it (a terminal's Ctrl-C, or systemd's SIGTERM to the whole cgroup, reaches the children too: the
+#: supervisor's own SIGTERM on top of it ended their grace at once)
+SUPERVISOR_STOP = signal.SIGUSR2
+#: what a supervisor sends them on a second signal of its own: release the running jobs now
+SUPERVISOR_STOP_NOW = signal.SIGUSR1
+WORKER_SIGNALS = (*STOP_SIGNALS, SUPERVISOR_STOP, SUPERVISOR_STOP_NOW)
 
 
 def relay_signals(callback: Callable[[int], None], signals: Iterable[int] = STOP_SIGNALS) -> bool:

@@ -1,16 +1,17 @@
 """``--processes N``: N worker processes under one supervisor, with no coordinator beyond PostgreSQL.
 
 The supervisor restarts a child that dies (with backoff when it keeps dying), and ends a dead child's
-leases at once so its jobs are reclaimed without waiting for their visibility timeout. SIGTERM is passed
-on to the children, which finish or release their jobs within the grace period; then it exits 0.
+leases at once so its jobs are reclaimed without waiting for their visibility timeout. A stop signal is
+passed on to the children (as SUPERVISOR_STOP: see worker_core.signals), which finish or release their
+jobs within the grace period; a second one, as SUPERVISOR_STOP_NOW, ends the grace. Then it exits 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
-import signal
 import socket
 import threading
 import time
@@ -21,7 +22,7 @@ import psycopg
 from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK
 from worker_core.logs import bound_logger
-from worker_core.signals import relay_signals
+from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, relay_signals
 from worker_core.sql import queries
 from worker_core.worker import WorkerConfig, run_worker
 
@@ -71,7 +72,20 @@ class Supervisor:
         self._stop.set()
 
     def _install_signals(self) -> None:
-        relay_signals(lambda signum: self.stop())  # not from the handler: see worker_core.signals
+        relay_signals(self._on_signal)  # not from the handler: see worker_core.signals
+
+    def _on_signal(self, signum: int) -> None:
+        """The first: stop (the children get SUPERVISOR_STOP, graceful). A second: the children release
+        their running jobs now."""
+        if self._stop.is_set():
+            self._signal_children(SUPERVISOR_STOP_NOW)
+        self.stop()
+
+    def _signal_children(self, signum: int) -> None:
+        for proc, _ in list(self.children.values()):
+            if proc.is_alive() and proc.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signum)
 
     def run(self) -> int:
         self._install_signals()
@@ -100,9 +114,7 @@ class Supervisor:
         return self._shutdown()
 
     def _shutdown(self) -> int:
-        for proc, _ in self.children.values():
-            if proc.is_alive() and proc.pid:
-                os.kill(proc.pid, signal.SIGTERM)
+        self._signal_children(SUPERVISOR_STOP)
         deadline = time.monotonic() + self.config.shutdown_grace + self.config.cancel_grace + 10
         for proc, worker_id in self.children.values():
             proc.join(max(0.1, deadline - time.monotonic()))

@@ -49,7 +49,7 @@ from worker_core.logs import bound_logger, job_fields
 from worker_core.metrics import MetricsBuffer
 from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry
-from worker_core.signals import relay_signals
+from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, WORKER_SIGNALS, relay_signals
 from worker_core.sql import queries
 
 #: a housekeeping round's statements (batches of deletes, an ANALYZE of a large table)
@@ -186,15 +186,22 @@ class Worker:
         return self._stopping.is_set()
 
     def _install_signals(self) -> None:
-        relay_signals(self._on_signal)
+        relay_signals(self._on_signal, WORKER_SIGNALS)
 
     def _on_signal(self, signum: int) -> None:
         """SIGTERM, SIGINT, SIGHUP (on the relay thread: worker_core.signals): a graceful stop; a second
-        one releases the jobs still running at once."""
-        if self._stopping.is_set():
-            self.config.shutdown_grace = 0  # second signal: release now
+        one releases the jobs still running at once. From a supervisor: SUPERVISOR_STOP, graceful, which
+        never counts as a first or second signal; SUPERVISOR_STOP_NOW, release now."""
+        if signum == SUPERVISOR_STOP_NOW:
+            self.config.shutdown_grace = 0
+        elif signum != SUPERVISOR_STOP:
+            self._stop_signals += 1
+            if self._stop_signals > 1:
+                self.config.shutdown_grace = 0  # second signal: release now
         self.log.info("signal %s: stopping (grace %ss)", signum, self.config.shutdown_grace)
         self.stop()
+
+    _stop_signals = 0
 
     def run(self) -> int:
         """Run until stopped (or, with ``burst``, until nothing is ready or running). Returns an exit code."""

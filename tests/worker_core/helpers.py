@@ -153,9 +153,15 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def spawn_python(code: str, *args: str, log: Path) -> subprocess.Popen[bytes]:
-    """``python -c code args...`` from the checkout; its output goes to ``log`` (a pipe could fill and block)."""
+def spawn_python(code: str, *args: str, log: Path, new_session: bool = False) -> subprocess.Popen[bytes]:
+    """``python -c code args...`` from the checkout; its output goes to ``log`` (a pipe could fill and block).
+    ``new_session``: in a process group of its own, which a test may signal as a terminal's Ctrl-C does."""
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-c", code, *args], cwd=str(ROOT), env=subprocess_env(), stdout=out, stderr=out
+            [sys.executable, "-c", code, *args],
+            cwd=str(ROOT),
+            env=subprocess_env(),
+            stdout=out,
+            stderr=out,
+            start_new_session=new_session,
         )

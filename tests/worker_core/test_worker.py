@@ -5,6 +5,7 @@ from the policy (injected clock), lock_key leases, kills, requeue, pause, gracef
 from __future__ import annotations
 
 import datetime as dt
+import os
 import signal
 import subprocess
 import threading
@@ -805,6 +806,44 @@ def test_a_heartbeat_stuck_in_a_statement_does_not_hold_up_the_stop(conn: db.Con
     assert scalar(dsn, "SELECT count(*) FROM workers WHERE stopped_at IS NOT NULL") == 1
     with db.connect(dsn, autocommit=True) as c:  # the stuck statement's backend, left to the test's end
         c.execute("SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(25)%%'")
+
+
+SUPERVISED = """
+import sys
+from worker_core.supervisor import Supervisor
+from worker_core.worker import WorkerConfig
+cfg = WorkerConfig(dsn=sys.argv[1], task_modules=("tests.worker_core.tasks",), concurrency=1, poll_interval=0.1,
+                   heartbeat_interval=0.3, shutdown_grace=60, cancel_grace=1.0)
+sys.exit(Supervisor(cfg, processes=1).run())
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_on_a_supervisor_gives_the_running_jobs_their_grace(
+    conn: db.Conn, dsn: str, tmp_path: Path, presses: int
+) -> None:
+    # a terminal's Ctrl-C reaches the supervisor and its children at once (one process group), and the
+    # supervisor passes the stop on: the child must not take that for a second signal (which ends the grace
+    # at once). A second Ctrl-C does mean it.
+    slow = enqueue(conn, "t.slow", {"seconds": 3, "ledger": True}).id
+    proc = spawn_python(SUPERVISED, dsn, log=tmp_path / "supervisor.log", new_session=True)
+    try:
+        wait_for(lambda: state(dsn, slow) == "running", 30, what="the child to start the job")
+        os.killpg(proc.pid, signal.SIGINT)
+        if presses == 2:
+            time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, (tmp_path / "supervisor.log").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    row = job(dsn, slow)
+    if presses == 1:  # it finished within its grace
+        assert (row["state"], row["attempts"]) == ("succeeded", 1), (tmp_path / "supervisor.log").read_text()
+        assert [r["job_id"] for r in ledger(dsn)] == [slow]
+    else:  # released at once, its attempt given back
+        assert (row["state"], row["attempts"]) == ("queued", 0)
+        assert ledger(dsn) == []
 
 
 SIGNAL_UNDER_LOCK = """
