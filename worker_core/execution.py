@@ -498,7 +498,11 @@ class Slot:
             ex.group.count(job, values)
         else:
             self.w.metrics.add_many(job["queue"], job["job_type"], values)
-        if ex.lock is not None:
+        if ex.lock is not None and ex.abandoned:
+            # Python cannot stop its thread, which may still work on the resource: not given to another job
+            # now; the lease, no longer extended, runs out within the job's visibility timeout
+            ex.ctx.logger.info("lock %s kept until its lease runs out: the abandoned handler may still run", ex.lock[0])
+        elif ex.lock is not None:
             try:
                 self.w.locks.release(self.conn, *ex.lock)
             except Exception as e:

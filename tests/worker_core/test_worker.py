@@ -462,6 +462,19 @@ def test_a_lock_backend_that_fails_to_extend_a_lease_does_not_stop_the_heartbeat
         wait_for(lambda: state(dsn, j) == "succeeded", 10, what="the job to finish")
 
 
+def test_the_lock_key_lease_of_an_abandoned_handler_is_not_given_away_while_it_may_still_run(
+    conn: db.Conn, dsn: str
+) -> None:
+    # the handler ignores its timeout (1 s) and sleeps on (2.5 s): abandoned, its job settled, but Python
+    # cannot stop its thread, which may still work on the locked resource. Its lease runs out by itself.
+    j = enqueue(conn, "t.stubborn", {"seconds": 2.5}, lock_key="order:slow").id
+    conn.commit()
+    with running_worker(dsn, cancel_grace=0.2) as w:
+        wait_for(lambda: state(dsn, j) == "dead_lettered", 10, what="the handler to be abandoned")
+        assert w.zombies == 1
+        assert scalar(dsn, "SELECT count(*) FROM resource_locks WHERE lock_key = 'order:slow'") == 1
+
+
 REDIS = "redis://127.0.0.1:6379/15"
 
 
