@@ -10,7 +10,7 @@ from typing import Any
 from psycopg import sql
 
 from worker_core.db import Conn
-from worker_core.errors import TransientError
+from worker_core.errors import PermanentError, TransientError
 
 
 class VersionConflict(TransientError):
@@ -32,6 +32,9 @@ def versioned_update(
     names are bound as identifiers, values as parameters."""
     if not where or not changes:
         raise ValueError("versioned_update needs a key (where) and changes")
+    if expected_version is None or any(v is None for v in where.values()):
+        # "= NULL" matches no row: every attempt would be a conflict, retried until the budget is spent
+        raise PermanentError(f"versioned_update on {table}: a key or the expected version is None ({dict(where)})")
     version = sql.Identifier(version_column)
     assignments = [sql.SQL("{} = {}").format(sql.Identifier(k), sql.Placeholder(f"set_{k}")) for k in changes]
     assignments.append(sql.SQL("{v} = {v} + 1").format(v=version))

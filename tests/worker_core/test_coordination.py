@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from tests.worker_core.helpers import ledger, run_burst, scalar
-from worker_core import db
+from worker_core import PermanentError, db
 from worker_core.coordination import SingleFlightTimeout, single_flight
 from worker_core.locks import PostgresLocks
 from worker_core.optimistic import VersionConflict, versioned_update
@@ -51,6 +51,11 @@ def test_versioned_update_raises_a_transient_conflict(conn: db.Conn) -> None:
     with pytest.raises(VersionConflict):
         versioned_update(conn, "accounts", {"id": "a"}, 1, {"balance": 99})
     assert conn.execute("SELECT balance, version FROM accounts").fetchone() == {"balance": 15, "version": 2}
+    # a None key or version is a bug of the caller, not a conflict that a retry could resolve
+    with pytest.raises(PermanentError):
+        versioned_update(conn, "accounts", {"id": None}, 2, {"balance": 1})
+    with pytest.raises(PermanentError):
+        versioned_update(conn, "accounts", {"id": "a"}, None, {"balance": 1})  # type: ignore[arg-type]
 
 
 def test_concurrent_jobs_updating_one_entity_lose_no_update(dsn: str, conn: db.Conn) -> None:
