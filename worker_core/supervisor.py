@@ -89,6 +89,16 @@ class Supervisor:
 
     def run(self) -> int:
         self._install_signals()
+        try:
+            return self._supervise()
+        except BaseException:
+            # a child that cannot be started (no memory, no process left), say: the ones running are not
+            # left behind, unsupervised and out of reach of the signals sent to this process
+            self.log.exception("supervisor error: stopping the worker processes")
+            self._shutdown()
+            raise
+
+    def _supervise(self) -> int:
         for slot in range(self.processes):
             self._start(slot)
         self.log.info("supervising %s worker processes", self.processes)

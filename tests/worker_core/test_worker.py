@@ -36,6 +36,7 @@ from tests.worker_core.helpers import (
 from worker_core import FixedClock, RetryPolicy, db, enqueue, ops
 from worker_core.execution import JobConnection, JobCursor
 from worker_core.locks import PostgresLocks
+from worker_core.signals import SUPERVISOR_STOP
 from worker_core.supervisor import Supervisor
 from worker_core.worker import Worker
 
@@ -922,3 +923,24 @@ def test_processes_a_payload_that_kills_its_process_is_dead_lettered_while_other
     assert sorted(r["item"] for r in ledger(dsn)) == sorted(str(i) for i in range(12))  # each effect once
     live = "SELECT count(*) FROM job_queue WHERE state IN ('queued', 'running', 'retry_scheduled')"
     assert scalar(dsn, live) == 0
+
+
+def test_a_supervisor_that_cannot_start_a_worker_stops_the_ones_it_started(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the second child cannot be started (no process left, say): the first must not be left running,
+    # unsupervised, out of reach of the signals sent to the supervisor
+    sup = Supervisor(config(dsn, burst=False, task_modules=TASKS, shutdown_grace=1), processes=2)
+    start = Supervisor._start
+
+    def second_fails(self: Supervisor, slot: int) -> None:
+        if slot == 1:
+            raise OSError("Resource temporarily unavailable")
+        start(self, slot)
+
+    monkeypatch.setattr(Supervisor, "_start", second_fails)
+    with pytest.raises(OSError):
+        sup.run()
+    proc, _ = sup.children[0]
+    # stopped (or, if the stop came before its signal handlers were in place, ended by it: it held no job)
+    assert not proc.is_alive() and proc.exitcode in (0, -SUPERVISOR_STOP)
