@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from rich.text import Text
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
-from qconsole.backend import ConsoleBackend
-from qconsole.screens.base import ConsoleScreen
+from qconsole.backend import ConsoleBackend, describe_error
+from qconsole.messages import ActionFailed
+from qconsole.screens.base import ACTION_GROUP, ConsoleScreen
 from qconsole.widgets import fmt
 from qconsole.widgets.table import LiveTable, cell
 from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, ActionResult, DeadLetterGroup
@@ -34,6 +35,14 @@ COLUMNS = [
 REQUEUEABLE = {s.value for s in REQUEUEABLE_STATES}
 KILLABLE = {s.value for s in KILLABLE_STATES}
 PAST = {"requeue": "Requeued", "kill": "Killed"}
+
+
+def _nothing(backend: ConsoleBackend) -> ActionResult:
+    raise AssertionError("not asked: nothing to act on")
+
+
+def _no_summary(result: ActionResult) -> str:
+    return ""
 
 
 def group_key(g: DeadLetterGroup) -> str:
@@ -168,27 +177,40 @@ class DeadLettersScreen(ConsoleScreen):
             return
         ok = [g for g in targets if g.state in allowed]
         skipped = [g for g in targets if g.state not in allowed]
-        n = sum(g.count for g in ok)
         details = self._describe(ok) + "\n" + outcome
         if skipped:
             details += f"\nSkipped: {len(skipped)} group(s) ({sum(g.count for g in skipped)} jobs) {why_not}."
-        if not ok:
-            details = f"the selected group(s) {why_not}"
+        if not ok or self.qapp.read_only:
+            # act() refuses (read-only) or says there is nothing to do
+            self.act(name, "", details if ok else f"the selected group(s) {why_not}", _nothing, _no_summary, 0)
+            return
+        # the jobs are fetched before the question, which names exactly them: a job that joins a group while
+        # the operator reads it is not acted on unasked
+        self._fetch_then_ask(name, ok, verb, details)
 
+    @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="dead letters: the jobs of the groups")
+    def _fetch_then_ask(self, name: str, groups: list[DeadLetterGroup], verb: str, details: str) -> None:
+        try:
+            ids = list(dict.fromkeys(i for g in groups for i in self.qapp.backend.group_job_ids(g)))
+        except Exception as e:
+            self.post_message(ActionFailed(name, describe_error(e)))
+            return
+        self.app.call_from_thread(self._ask, name, groups, verb, details, ids)
+
+    def _ask(self, name: str, groups: list[DeadLetterGroup], verb: str, details: str, ids: list[Any]) -> None:
         def run(backend: ConsoleBackend) -> ActionResult:
-            ids = [i for g in ok for i in backend.group_job_ids(g)]
             return backend.requeue(ids) if name == "requeue" else backend.kill(ids)
 
         self.act(
             name,
-            f"{verb} {n} job(s) in {len(ok)} group(s)?",
+            f"{verb} {len(ids)} job(s) in {len(groups)} group(s)?",
             details,
             run,
             lambda r: (
                 f"{PAST[name]} {r.count} job(s)."
                 + (f" {len(r.skipped)} skipped: they changed state meanwhile." if r.skipped else "")
             ),
-            touches=n,
+            touches=len(ids),
         )
 
     def action_requeue(self) -> None:

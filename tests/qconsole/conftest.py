@@ -215,8 +215,10 @@ class FakeBackend:
         ]  # fmt: skip
 
     def group_job_ids(self, group: DeadLetterGroup) -> list[uuid.UUID]:
+        """All the group's jobs: its sample ids, then made-up ones up to its count."""
         self._read("group_job_ids", group.fingerprint)
-        return list(group.job_ids)
+        more = (uuid.uuid5(uuid.NAMESPACE_OID, f"{group.fingerprint}/{i}") for i in range(group.count))
+        return [*group.job_ids, *more][: group.count]
 
     def workers(self) -> list[WorkerInfo]:
         self._read("workers")

@@ -129,6 +129,34 @@ def test_requeue_a_dead_letter_group_with_keys(dsn: str, conn: db.Conn, make_job
     assert entry.os_user == ops.Actor.current().os_user
 
 
+def test_a_group_action_acts_on_the_jobs_it_asked_about_not_on_those_that_joined_since(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
+    dead = [make_job("t.unknown", {"key": "k"}) for _ in range(2)]
+    run_worker_until(dsn, lambda: states(conn, dead) == [JobState.DEAD_LETTERED] * 2)
+    app = console(dsn)
+    late: list[uuid.UUID] = []
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("d", "r")
+            await settle(pilot)
+            assert isinstance(app.screen, ConfirmScreen)
+            assert "Requeue 2 job(s) in 1 group(s)" in app.screen.question
+            # while the operator reads the question, a third job fails the same way
+            late.append(make_job("t.unknown", {"key": "k"}))
+            run_worker_until(dsn, lambda: states(conn, late) == [JobState.DEAD_LETTERED])
+            await pilot.press("y")
+            await settle(pilot)
+            assert "Requeued 2 job(s)" in notes(app)
+
+    run_async(scenario())
+    assert states(conn, dead) == [JobState.QUEUED] * 2
+    assert states(conn, late) == [JobState.DEAD_LETTERED]
+    assert set(stats.audit_log(conn)[0].job_ids) == set(dead)
+
+
 def test_cancelling_the_confirmation_changes_nothing(dsn: str, conn: db.Conn, make_job: Any) -> None:
     dead = [make_job("t.unknown", {"key": "k"}) for _ in range(2)]
     run_worker_until(dsn, lambda: states(conn, dead) == [JobState.DEAD_LETTERED] * 2)
