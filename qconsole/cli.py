@@ -6,7 +6,9 @@ Exit codes: 0 ok, 1 not found or operation refused, 2 bad input (nothing written
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -222,6 +224,28 @@ def enqueue(
 # ------------------------------------------------------------------------------------------------ running
 
 
+def _stop_on_stdin_eof(supervised: bool) -> None:
+    """The console's embedded workers: their standard input is a pipe the console holds and never writes
+    to. However the console ends (SIGKILL and the OOM killer included, which run no cleanup), the pipe
+    closes, and the worker stops as on a signal: an orphan would go on claiming, out of everyone's reach.
+    A worker takes SUPERVISOR_STOP (a graceful stop that never counts as a second signal); a supervisor
+    SIGTERM, which it passes on as that."""
+    import signal as signal_mod
+    import threading
+
+    from worker_core.signals import SUPERVISOR_STOP
+
+    def watch() -> None:
+        # the file descriptor, not sys.stdin: a daemon thread inside the buffered reader holds its lock, and
+        # the interpreter aborts at exit when it cannot take it
+        with contextlib.suppress(OSError):
+            while os.read(0, 4096):
+                pass
+        os.kill(os.getpid(), signal_mod.SIGTERM if supervised else SUPERVISOR_STOP)
+
+    threading.Thread(target=watch, name="stdin-lifeline", daemon=True).start()
+
+
 @app.command()
 def worker(
     tasks: Annotated[str, typer.Option("--tasks", help="MODULE[,MODULE]: modules with @task handlers.")],
@@ -255,6 +279,10 @@ def worker(
     ] = "14d",
     log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
     log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
+    stop_on_stdin_eof: Annotated[
+        bool,
+        typer.Option("--stop-on-stdin-eof", hidden=True, help="Stop gracefully once standard input closes."),
+    ] = False,
     dsn: DsnOpt = None,
 ) -> None:
     """Run a worker: claim, execute, retry, dead-letter and heal, agreeing with others only through rows."""
@@ -290,6 +318,8 @@ def worker(
             succeeded_seconds=parse_duration(retention_succeeded), failed_seconds=parse_duration(retention_failed)
         ),
     )
+    if stop_on_stdin_eof:
+        _stop_on_stdin_eof(supervised=processes > 1)
     try:
         code = run_supervised(config, processes, log_format) if processes > 1 else run_worker(config)
     except ValueError as e:

@@ -159,7 +159,8 @@ class EmbeddedWorkers:
         args = [*self.command, "--tasks", ",".join(w.tasks), "--concurrency", str(w.concurrency)]
         for q in w.queues:
             args += ["--queue", q]
-        args += ["--shutdown-grace", f"{self.shutdown_grace:g}", *self.extra_args]
+        # stdin is a pipe this console holds: closed however the console ends, it stops the worker
+        args += ["--shutdown-grace", f"{self.shutdown_grace:g}", "--stop-on-stdin-eof", *self.extra_args]
         return args
 
     def _spawn(self, w: EmbeddedWorker) -> None:
@@ -173,7 +174,7 @@ class EmbeddedWorkers:
         try:
             proc = subprocess.Popen(
                 argv,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,  # never written to: see argv
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 env=env,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -15,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from psycopg.conninfo import make_conninfo
 from textual.pilot import Pilot
@@ -422,3 +425,42 @@ def test_job_types_screen_shows_what_the_workers_registered(dsn: str) -> None:
             assert isinstance(app.screen, JobsScreen)
 
     run_async(scenario())
+
+
+CONSOLE_PROCESS = """
+import sys, time
+from pathlib import Path
+from qconsole.embedded_workers import EmbeddedWorkers
+launcher = EmbeddedWorkers(sys.argv[1], log_dir=Path(sys.argv[2]), shutdown_grace=1.0)
+w = launcher.start(["tests.worker_core.tasks"])
+print(w.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_embedded_workers_stop_when_their_console_is_killed(dsn: str, conn: db.Conn, tmp_path: Path) -> None:
+    # a console killed outright (SIGKILL, the OOM killer) runs no cleanup: its workers must still stop, not
+    # go on claiming with no console to reach them
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(tmp_path / "console.out", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", CONSOLE_PROCESS, dsn, str(tmp_path)], env=env, stdout=out,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "console.out").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker_pid = int((tmp_path / "console.out").read_text().split()[0])
+        deadline = time.monotonic() + 20
+        while not [w for w in stats.workers(conn) if w.pid == worker_pid] and time.monotonic() < deadline:
+            time.sleep(0.05)  # it is up: it beat
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        while psutil.pid_exists(worker_pid) and psutil.Process(worker_pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the embedded worker outlived its console"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [row] = [w for w in stats.workers(conn) if w.pid == worker_pid]
+    assert row.stopped_at is not None  # a graceful stop
