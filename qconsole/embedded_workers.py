@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
+from qconsole.widgets.fmt import printable
+
 OUTPUT_LINES = 2000
 
 
@@ -204,7 +206,7 @@ class EmbeddedWorkers:
             assert proc.stdout is not None
             for raw in proc.stdout:
                 line = raw.decode("utf-8", "replace").rstrip("\n")
-                w.output.append(line)
+                w.output.append(printable(line))  # what a handler prints never drives the terminal
                 if log is not None:
                     log.write(line + "\n")
                     log.flush()

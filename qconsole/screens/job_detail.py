@@ -20,17 +20,22 @@ from qconsole.widgets import fmt
 from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, Job
 
 
+def _t(text: str, **kwargs: Any) -> Text:
+    """Text of job data: escape sequences and control characters never reach the terminal."""
+    return Text(fmt.printable(text), **kwargs)
+
+
 def _kv(rows: list[tuple[str, Any]]) -> Table:
     table = Table.grid(padding=(0, 1))
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
     for k, v in rows:
-        table.add_row(k, v if isinstance(v, Text) else Text("-" if v is None or v == "" else str(v)))
+        table.add_row(k, v if isinstance(v, Text) else _t("-" if v is None or v == "" else str(v)))
     return table
 
 
 def _section(title: str) -> Text:
-    return Text(f"── {title} ", style="bold")
+    return _t(f"── {title} ", style="bold")
 
 
 class JobDetailScreen(ConsoleScreen):
@@ -51,7 +56,7 @@ class JobDetailScreen(ConsoleScreen):
 
     def compose_body(self) -> ComposeResult:
         with VerticalScroll(id="job-scroll"):
-            yield Static(Text(f" loading job {self.job_id}…"), id="job-body")
+            yield Static(_t(f" loading job {self.job_id}…"), id="job-body")
 
     def on_mount(self) -> None:
         self.query_one("#job-scroll").focus()
@@ -74,26 +79,26 @@ class JobDetailScreen(ConsoleScreen):
             head.append("  kill requested", style="bold")
         parts.append(head)
         if self.note:
-            parts.append(Text(self.note, style="italic"))
+            parts.append(_t(self.note, style="italic"))
 
         # what matters during an incident comes first: lease and lock, why it failed, what it carried
         lease: Text | str = "-"
         if job.state.value == "running" and job.locked_until is not None:
             left = (fmt.utc(job.locked_until) - now).total_seconds()  # type: ignore[operator]
             if left >= 0:
-                lease = Text(f"ends in {fmt.duration(left)} ({fmt.hms(job.locked_until)} UTC), held by {job.locked_by}")
+                lease = _t(f"ends in {fmt.duration(left)} ({fmt.hms(job.locked_until)} UTC), held by {job.locked_by}")
             else:
-                lease = Text(
+                lease = _t(
                     f"EXPIRED {fmt.duration(-left)} ago (held by {job.locked_by}): another worker may reclaim it",
                     style="bold",
                 )
         lock_text: Text | str = "-"
         if lock:
-            lock_text = Text(
+            lock_text = _t(
                 f"{lock['lock_key']} held, expires {fmt.ago(lock['expires_at'], now)} (token {str(lock['token'])[:8]})"
             )
         elif job.lock_key:
-            lock_text = Text(f"{job.lock_key} (not held now)")
+            lock_text = _t(f"{job.lock_key} (not held now)")
         if job.state.value == "running" or job.lock_key:
             parts.append(_section("lease and lock"))
             parts.append(_kv([("lease", lease), ("lock", lock_text)]))
@@ -109,12 +114,12 @@ class JobDetailScreen(ConsoleScreen):
                 table.add_row(
                     str(e.attempt),
                     e.kind,
-                    Text(f"{e.error_class}: {e.message}"),
-                    Text(f"{e.worker or '-'}\n{fmt.hms(e.at)} UTC"),
+                    _t(f"{e.error_class}: {e.message}"),
+                    _t(f"{e.worker or '-'}\n{fmt.hms(e.at)} UTC"),
                 )
             parts.append(table)
         else:
-            parts.append(Text("none"))
+            parts.append(_t("none"))
         parts.append(_section("payload"))
         theme = "ansi_dark" if self.app.current_theme.dark else "ansi_light"
         parts.append(Syntax(fmt.pretty_json(job.payload), "json", theme=theme, background_color="default"))

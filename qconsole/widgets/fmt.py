@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from typing import Any
 
 from worker_core.models import JobState
@@ -89,8 +90,26 @@ def rate(per_min: float) -> str:
     return f"{per_min:.0f}"
 
 
+#: terminal escape sequences: CSI (colors, cursor moves, clearing the screen), OSC (window titles, the
+#: clipboard), and the short two-character ones
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]|\x9b[0-?]*[ -/]*[@-~]")
+#: what else a terminal would act on: C0 controls but tab and newline, DEL, C1 controls
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Job data (errors, keys, payloads) and worker output as the console shows them: escape sequences
+    removed, other control characters as U+FFFD. Written to the terminal as they are, they would clear the
+    on-call engineer's screen, retitle the window or set the clipboard.
+
+    >>> printable("ok\\x1b[2J\\x1b]0;pwned\\x07 done\\x00")
+    'ok done\ufffd'
+    """
+    return _CONTROLS.sub("\ufffd", _ESCAPES.sub("", text))
+
+
 def clip(text: str, width: int) -> str:
-    text = " ".join(text.split())
+    text = " ".join(printable(text).split())
     return text if len(text) <= width else text[: max(0, width - 1)] + "…"
 
 
@@ -99,7 +118,8 @@ def short_id(job_id: Any) -> str:
 
 
 def pretty_json(value: Any) -> str:
-    return json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+    # json escapes C0 controls in strings, not C1 ones (ensure_ascii=False keeps the rest of Unicode)
+    return printable(json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False))
 
 
 def state_label(state: str) -> str:

@@ -10,10 +10,12 @@ from rich.text import Text
 from textual.binding import Binding
 from textual.widgets import DataTable
 
+from qconsole.widgets import fmt
+
 
 def cell(value: Any, *, right: bool = False, style: str | Style = "") -> Text:
     """A table cell as plain Text (never markup: job data may hold brackets), with a one-space gutter."""
-    text = Text(" " + str(value), style=style, no_wrap=True, overflow="ellipsis")
+    text = Text(" " + fmt.printable(str(value)), style=style, no_wrap=True, overflow="ellipsis")
     if right:
         text.justify = "right"
     return text

@@ -119,3 +119,16 @@ def test_embedded_worker_crash_is_reported_and_restarted(tmp_path: Any) -> None:
     launcher.stop_all(timeout=2)
     assert not w.running
     assert (tmp_path / w.log_path.name).read_text().count("boom") >= 1  # type: ignore[union-attr]
+
+
+def test_embedded_worker_output_never_drives_the_terminal(tmp_path: Any) -> None:
+    launcher = EmbeddedWorkers(
+        "postgresql://unused", command=["sh", "-c", r"printf 'a\033[2Jb\033]0;t\007c\n'", "worker"], log_dir=tmp_path
+    )
+    w = launcher.start(["x.tasks"], restart=False)
+    deadline = time.monotonic() + 10
+    while w.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launcher.stop_all(timeout=2)
+    assert "abc" in list(w.output)
+    assert "\x1b" in (tmp_path / w.log_path.name).read_text()  # type: ignore[union-attr]  # the log file keeps it

@@ -28,6 +28,7 @@ from qconsole.backend import DatabaseBackend
 from qconsole.embedded_workers import EmbeddedWorkers
 from qconsole.screens.confirm import ConfirmScreen
 from qconsole.screens.dead_letters import DeadLettersScreen
+from qconsole.screens.job_detail import JobDetailScreen
 from qconsole.screens.overview import OverviewScreen
 from qconsole.screens.start_worker import StartWorkerScreen
 from qconsole.screens.workers import WorkersScreen
@@ -158,6 +159,40 @@ def test_a_group_action_acts_on_the_jobs_it_asked_about_not_on_those_that_joined
     assert states(conn, dead) == [JobState.QUEUED] * 2
     assert states(conn, late) == [JobState.DEAD_LETTERED]
     assert set(stats.audit_log(conn)[0].job_ids) == set(dead)
+
+
+HOSTILE = "boom\x1b[2J\x1b]0;pwned\x07\x1b]52;c;aGk=\x07\x9b31m\x08 done"
+
+
+def test_job_data_never_reaches_the_terminal_as_escape_sequences(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    # an error message, a key and a payload holding escape sequences (a handler that logged its input, a
+    # hostile client): written as they are, they would clear the screen, retitle it, set the clipboard
+    j = make_job("t.unknown", {"note": HOSTILE}, idempotency_key="k" + HOSTILE)
+    conn.execute(
+        "UPDATE job_queue SET state = 'dead_lettered', last_error = %(e)s, finished_at = now(),"
+        " errors = jsonb_build_array(jsonb_build_object('attempt', 1, 'kind', 'unknown', 'class', 'ValueError',"
+        " 'message', %(e)s::text, 'worker', 'w', 'at', now())) WHERE id = %(id)s",
+        {"e": HOSTILE, "id": j},
+    )
+    conn.commit()
+    app = console(dsn)
+    screens: list[str] = []
+
+    async def scenario() -> None:
+        async with app.run_test(size=(160, 50)) as pilot:
+            await settle(pilot)
+            for key in ("j", "d"):
+                await pilot.press(key)
+                await settle(pilot)
+                screens.append(app.export_screenshot())
+            app.push_screen(JobDetailScreen(j))
+            await settle(pilot)
+            screens.append(app.export_screenshot())
+
+    run_async(scenario())
+    assert "boom" in screens[-1] and "done" in screens[-1]
+    for svg in screens:
+        assert not any(c in svg for c in "\x1b\x07\x9b\x08")  # (the payload shows them escaped, as JSON does)
 
 
 def test_cancelling_the_confirmation_changes_nothing(dsn: str, conn: db.Conn, make_job: Any) -> None:
