@@ -97,6 +97,14 @@ class ConsoleBackend(Protocol):
     def close(self) -> None: ...
 
 
+def is_outage(exc: BaseException) -> bool:
+    """The database could not be reached (or the session was lost), as opposed to answering with an error
+    (including a statement over its time limit: the server answered that)."""
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, ConnectionError)) and not isinstance(
+        exc, psycopg.errors.QueryCanceled
+    )
+
+
 def describe_error(exc: BaseException, dsn: str | None = None) -> str:
     """One line for a banner or a notification, without the DSN's password."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -23,9 +23,12 @@ class DataFetched(Message):
 
 @dataclass
 class FetchFailed(Message):
-    """A read failed: the database is slow or unreachable. ``error`` is safe to show."""
+    """A read failed. ``error`` is safe to show. ``outage``: the database could not be reached (else it
+    answered with an error: a job that no longer exists, a query over its time limit, a schema not
+    migrated)."""
 
     error: str
+    outage: bool = True
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, FetchFailed)

@@ -16,7 +16,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.worker import Worker, WorkerState
 
-from qconsole.backend import ConsoleBackend, describe_error
+from qconsole.backend import ConsoleBackend, describe_error, is_outage
 from qconsole.messages import ActionDone, ActionFailed, DataFetched, FetchFailed
 from qconsole.widgets.chrome import OutageBanner, TitleBar
 from qconsole.widgets.keys import KeyLine
@@ -95,20 +95,33 @@ class ConsoleScreen(Screen[None]):
         try:
             data = self.fetch(backend)
         except Exception as e:
-            self.post_message(FetchFailed(describe_error(e)))
+            self.post_message(FetchFailed(describe_error(e), outage=is_outage(e)))
             return
         self.post_message(DataFetched(data))
 
     @on(DataFetched)
     def _fetched(self, message: DataFetched) -> None:
         message.stop()
+        self._last_failure = None
         self.qapp.note_ok()
         self.show(message.data)
 
     @on(FetchFailed)
     def _failed(self, message: FetchFailed) -> None:
         message.stop()
-        self.qapp.note_failed(message.error)
+        if message.outage:
+            self.qapp.note_failed(message.error)
+            return
+        self.qapp.db_error = None  # it answered: reachable
+        if message.error != self._last_failure:
+            self._last_failure = message.error
+            self.show_failure(message.error)
+
+    _last_failure: str | None = None
+
+    def show_failure(self, error: str) -> None:
+        """A read the database answered with an error: said once (it repeats every refresh)."""
+        self.notify(error, title="read failed", severity="error", timeout=8, markup=False)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.group != READ_GROUP:

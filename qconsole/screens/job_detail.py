@@ -69,6 +69,12 @@ class JobDetailScreen(ConsoleScreen):
         self.job = job
         self.query_one("#job-body", Static).update(self.render_job(job, lock))
 
+    def show_failure(self, error: str) -> None:
+        self.job = None  # nothing to act on
+        if error.startswith("NotFound"):
+            error = f"job {self.job_id} not found: retention pruned it, or it never existed"
+        self.query_one("#job-body", Static).update(_t(f" {error}", style="bold"))
+
     def render_job(self, job: Job, lock: dict[str, Any] | None) -> RenderableType:
         now = self.qapp.clock.now()
         parts: list[RenderableType] = []

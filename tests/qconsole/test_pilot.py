@@ -195,6 +195,28 @@ def test_job_data_never_reaches_the_terminal_as_escape_sequences(dsn: str, conn:
         assert not any(c in svg for c in "\x1b\x07\x9b\x08")  # (the payload shows them escaped, as JSON does)
 
 
+def test_a_job_gone_while_its_detail_is_open_is_said_so_not_taken_for_an_outage(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
+    j = make_job("t.ok", {})
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            app.push_screen(JobDetailScreen(j))
+            await settle(pilot)
+            conn.execute("DELETE FROM job_queue WHERE id = %s", (j,))  # retention pruned it, say
+            conn.commit()
+            app.screen.reload()  # type: ignore[attr-defined]
+            await settle(pilot)
+            assert not app.screen.query_one(OutageBanner).has_class("-shown")
+            assert app.db_error is None
+            assert "not found" in str(app.screen.query_one("#job-body").render()).lower()
+
+    run_async(scenario())
+
+
 def test_cancelling_the_confirmation_changes_nothing(dsn: str, conn: db.Conn, make_job: Any) -> None:
     dead = [make_job("t.unknown", {"key": "k"}) for _ in range(2)]
     run_worker_until(dsn, lambda: states(conn, dead) == [JobState.DEAD_LETTERED] * 2)
