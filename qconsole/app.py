@@ -32,6 +32,7 @@ from qconsole.screens.job_detail import JobDetailScreen
 from qconsole.screens.jobs import JobsScreen
 from qconsole.screens.overview import OverviewScreen
 from qconsole.screens.workers import WorkersScreen
+from qconsole.widgets import fmt
 from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK, Clock
 
@@ -212,8 +213,9 @@ class QConsoleApp(App[int]):
         if m.crashed:
             again = " Restarting it." if m.restarting else ""
             # short: a crash loop must not bury the screen; the output is one key away (w)
+            last = f" {fmt.clip(m.last_line, 100)}." if m.last_line else ""
             self.notify(
-                f"Embedded worker #{m.number} (pid {m.pid}) exited with {m.exit_code}.{again} Output: w",
+                f"Embedded worker #{m.number} (pid {m.pid}) exited with {m.exit_code}.{last}{again} Output: w",
                 title="worker crashed",
                 severity="error",
                 timeout=6,

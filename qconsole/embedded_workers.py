@@ -30,6 +30,8 @@ from typing import IO, Protocol
 from qconsole.widgets.fmt import printable
 
 OUTPUT_LINES = 2000
+#: what ``qconsole worker`` exits with when it refuses its arguments (a task module it cannot import)
+USAGE_ERROR = 2
 
 
 @dataclass
@@ -58,6 +60,11 @@ class EmbeddedWorker:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.exit_code is None
+
+    @property
+    def restart_pending(self) -> bool:
+        """Crashed, and to be started again after its backoff (unless stopped meanwhile)."""
+        return not self.running and self.exit_code not in (None, 0) and self.restart and not self.stopping
 
     @property
     def status(self) -> str:
@@ -222,8 +229,12 @@ class EmbeddedWorkers:
             if crashed:
                 w.crashes += 1
                 w.streak = w.streak + 1 if time.monotonic() - w.spawned_at < 30 else 1
+            if crashed and code == USAGE_ERROR:
+                w.restart = False  # a task module that cannot be imported, say: starting again changes nothing
             restarting = crashed and w.restart and not self._closed
         w.output.append(f"[exited with code {code}{'' if not crashed else ': crashed'}]")
+        if crashed and code == USAGE_ERROR:
+            w.output.append("[not restarted: the worker refused its configuration (see above)]")
         self._notify(w, restarting)
         if restarting:
             # back off when it keeps dying right after starting: 1s, 2s, 4s... up to 30s

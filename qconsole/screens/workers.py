@@ -209,6 +209,11 @@ class WorkersScreen(ConsoleScreen):
         if e is None or launcher is None:
             self.notify("Select an embedded worker (emb#) to stop it.", severity="warning")
             return
+        if e.restart_pending:
+            launcher.stop(e.number)
+            self.notify(f"Embedded worker #{e.number}: its restart is cancelled.", markup=False)
+            self._paint()
+            return
         if not e.running:
             self.notify(f"Embedded worker #{e.number} is not running ({e.status}).", severity="warning")
             return

@@ -132,3 +132,34 @@ def test_embedded_worker_output_never_drives_the_terminal(tmp_path: Any) -> None
     launcher.stop_all(timeout=2)
     assert "abc" in list(w.output)
     assert "\x1b" in (tmp_path / w.log_path.name).read_text()  # type: ignore[union-attr]  # the log file keeps it
+
+
+def test_an_embedded_worker_that_refuses_its_configuration_is_not_restarted(tmp_path: Any) -> None:
+    # a misspelt task module: `qconsole worker` exits 2; starting it again would change nothing
+    launcher = EmbeddedWorkers(
+        "postgresql://unused", command=["sh", "-c", "echo 'cannot import task module: x'; exit 2", "worker"],
+        log_dir=tmp_path,
+    )  # fmt: skip
+    events: list[tuple[int | None, bool]] = []
+    launcher.set_on_exit(lambda w, restarting: events.append((w.exit_code, restarting)))
+    w = launcher.start(["x.tasks"])
+    deadline = time.monotonic() + 10
+    while not events and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # past the first restart's backoff (1 s)
+    assert events == [(2, False)] and w.restarts == 0 and not w.restart_pending
+    assert w.status == "crashed (exit 2)" and "not restarted" in w.output[-1]
+    launcher.stop_all(timeout=2)
+
+
+def test_stopping_an_embedded_worker_that_waits_to_restart_cancels_the_restart(tmp_path: Any) -> None:
+    launcher = EmbeddedWorkers("postgresql://unused", command=["sh", "-c", "exit 3", "worker"], log_dir=tmp_path)
+    w = launcher.start(["x.tasks"])
+    deadline = time.monotonic() + 10
+    while not w.restart_pending and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert w.restart_pending
+    launcher.stop(w.number)
+    time.sleep(1.5)  # past the backoff
+    assert w.restarts == 0 and not w.restart_pending and not w.running
+    launcher.stop_all(timeout=2)
