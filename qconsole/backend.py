@@ -10,6 +10,8 @@ threads, one call at a time (a lock), and reconnects by itself after the connect
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -174,9 +176,22 @@ class DatabaseBackend:
             self.dsn = dsn
             self._drop()
 
-    def close(self) -> None:
-        with self._lock:
+    def close(self, wait: float = 0.5) -> None:
+        """Close the connection. A call still waiting for the server (a slow or vanished one) after
+        ``wait`` seconds is woken by shutting its socket down, which fails it at once; closing the
+        connection from this thread instead would free what libpq, in that call, still uses."""
+        if not self._lock.acquire(timeout=wait):
+            conn = self._conn
+            if conn is not None:
+                # a duplicate of the descriptor: shutdown acts on the socket itself, close on the copy
+                with contextlib.suppress(Exception), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            if not self._lock.acquire(timeout=5):
+                return  # still in libpq: the process ends anyway
+        try:
             self._drop()
+        finally:
+            self._lock.release()
 
     # ---------------------------------------------------------------- reading
 

@@ -163,3 +163,27 @@ def test_stopping_an_embedded_worker_that_waits_to_restart_cancels_the_restart(t
     time.sleep(1.5)  # past the backoff
     assert w.restarts == 0 and not w.restart_pending and not w.running
     launcher.stop_all(timeout=2)
+
+
+def test_closing_the_backend_does_not_wait_for_a_read_the_server_never_answers(dsn: str) -> None:
+    # quitting the console while a read hangs (a vanished host: no reply, no error for half a minute) must
+    # not hang with it; the read ends too, with an error, and its thread is free
+    backend = DatabaseBackend(dsn, statement_timeout_ms=60_000)
+    outcome: list[str] = []
+
+    def hung_read() -> None:
+        try:
+            backend._call(lambda c: c.execute("SELECT pg_sleep(30)"))
+            outcome.append("answered")
+        except Exception as e:
+            outcome.append(type(e).__name__)
+
+    reader = threading.Thread(target=hung_read, daemon=True)
+    reader.start()
+    time.sleep(0.5)  # it is waiting for the server now
+    closer = threading.Thread(target=backend.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    reader.join(10)
+    assert not closer.is_alive() and not reader.is_alive()
+    assert outcome == ["OperationalError"]
