@@ -366,3 +366,18 @@ def test_a_kill_racing_a_worker_that_gives_the_job_back_still_kills_it(dsn: str,
             killer.join(10)
     assert results and results[0].changed == [j]
     assert conn.execute("SELECT state FROM job_queue WHERE id = %s", (j,)).fetchone() == {"state": "cancelled"}
+
+
+def test_requeue_of_dead_jobs_sharing_a_dedup_key_requeues_one_and_skips_the_others(conn: db.Conn) -> None:
+    # an hourly sync's key: dedup collapses live jobs only, so dead ones pile up under one key. Requeued
+    # together, at most one may be live again (the partial unique index); before, none was and it raised
+    ids = []
+    for _ in range(3):
+        ids.append(enqueue(conn, "t.ok", {}, dedup_key="sync:cust-42").id)
+        conn.execute("UPDATE job_queue SET state = 'dead_lettered', finished_at = now() WHERE id = %s", (ids[-1],))
+    other = enqueue(conn, "t.ok", {}).id
+    conn.execute("UPDATE job_queue SET state = 'dead_lettered', finished_at = now() WHERE id = %s", (other,))
+    result = ops.requeue(conn, [*ids, other], actor=ops.Actor("test"))
+    assert len(result.changed) == 2 and other in result.changed
+    assert sorted(result.skipped) == sorted(i for i in ids if i not in result.changed)
+    assert [stats.get_job(conn, i).state for i in ids].count(JobState.QUEUED) == 1

@@ -587,16 +587,24 @@ SELECT current_setting('transaction_read_only') = 'on' AS ro;
 
 -- name: requeue_jobs
 -- Back to queued with a fresh budget. The history stays (attempts keep counting, so fencing stays
--- unique); a live job holding the same dedup key wins, and this one is skipped.
-WITH old AS (
-    SELECT id, payload FROM job_queue WHERE id = ANY(%(ids)s) FOR UPDATE
+-- unique); a live job holding the same dedup key wins, and this one is skipped. Of several requeued at
+-- once under one dedup key (dead runs of a periodic job), only the latest becomes live again.
+WITH locked AS MATERIALIZED (
+    SELECT id, payload, dedup_key, created_at FROM job_queue
+    WHERE id = ANY(%(ids)s) AND state IN ('dead_lettered', 'failed', 'cancelled')
+    FOR UPDATE
+), old AS (
+    SELECT id, payload,
+           dedup_key IS NULL OR row_number() OVER (PARTITION BY dedup_key ORDER BY created_at DESC, id) = 1
+               AS first_of_key
+    FROM locked
 )
 UPDATE job_queue j SET
     state = 'queued', max_attempts = j.attempts + %(budget)s, scheduled_at = %(now)s, finished_at = NULL,
     locked_until = NULL, cancel_requested = false, suspect = false, updated_at = %(now)s,
     payload = coalesce(%(payload)s::jsonb, j.payload)
 FROM old
-WHERE j.id = old.id AND j.state IN ('dead_lettered', 'failed', 'cancelled')
+WHERE j.id = old.id AND j.state IN ('dead_lettered', 'failed', 'cancelled') AND old.first_of_key
   AND (j.dedup_key IS NULL OR NOT EXISTS (
         SELECT 1 FROM job_queue l
         WHERE l.dedup_key = j.dedup_key AND l.state IN ('queued', 'running', 'retry_scheduled')))
