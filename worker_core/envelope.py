@@ -224,6 +224,12 @@ def build_envelope(
         timeout = None
     vis_given = fields.get("visibility_timeout_seconds", d.visibility_timeout_seconds)
     visibility: float | None
+    if fields.get("visibility_timeout_seconds") is None and fields.get("timeout_seconds") is not None:
+        # a timeout given alone: the lease grows with it (the type's, derived from its own timeout, would
+        # refuse a longer one), never below the type's
+        derived = None if timeout is None else timeout + DEFAULT_VISIBILITY_MARGIN_SECONDS
+        default = _number(problems, "visibility_timeout_seconds", vis_given) if vis_given is not None else None
+        vis_given = max((v for v in (derived, default) if v is not None), default=None)
     if vis_given is None:
         visibility = None if timeout is None else timeout + DEFAULT_VISIBILITY_MARGIN_SECONDS
     else:

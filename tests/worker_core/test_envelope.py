@@ -395,3 +395,17 @@ def test_any_envelope_is_either_stored_as_given_or_refused_with_envelope_error(
             delay = dt.timedelta(seconds=fields.get("delay_seconds") or 0)
             assert abs(row["scheduled_at"] - (T0 + delay)) <= dt.timedelta(milliseconds=1)
         assert row["visibility_timeout_seconds"] > row["timeout_seconds"] + VISIBILITY_BUFFER_SECONDS
+
+
+def test_a_timeout_given_alone_brings_a_lease_long_enough_for_it(tx_conn: db.Conn) -> None:
+    # the type's lease (derived from its own timeout) would refuse a longer timeout: it grows with it
+    r = enqueue(tx_conn, "unregistered.type", {}, timeout_seconds=120)
+    row = tx_conn.execute("SELECT timeout_seconds, visibility_timeout_seconds FROM job_queue WHERE id = %s",
+                          (r.id,)).fetchone()  # fmt: skip
+    assert row == {"timeout_seconds": 120, "visibility_timeout_seconds": 150}
+    # never below the type's own lease (t.stubborn: 10 s for its 1 s timeout)
+    r = enqueue(tx_conn, "t.stubborn", {}, timeout_seconds=2)
+    row = tx_conn.execute("SELECT visibility_timeout_seconds FROM job_queue WHERE id = %s", (r.id,)).fetchone()
+    assert row == {"visibility_timeout_seconds": 32}
+    with pytest.raises(EnvelopeError, match="must exceed"):  # both given: as given, checked
+        enqueue(tx_conn, "unregistered.type", {}, timeout_seconds=120, visibility_timeout_seconds=90)
