@@ -63,6 +63,7 @@ def fill(template: bytes, values: dict[bytes, bytes]) -> bytes:
 #: an async handler cancels itself at its timeout; the watchdog only steps in when its event loop is stuck
 ASYNC_GRACE_MARGIN = 1.0
 ABANDONED = "the job was abandoned after its timeout"
+GROUP_CONNECTION_LOST = "the connection of the group's transaction was lost"
 #: how long a slot waits before it gives back the jobs of a group the database failed (they come back to it)
 OUTAGE_PAUSE = 0.5
 
@@ -333,6 +334,10 @@ class Slot:
         self.tx_ended = False
         #: the watchdog gave up on this slot's thread (Worker._abandon): it opens and sends nothing more
         self.abandoned = False
+        #: while a group runs, the connection its transaction is on (see conn): a group never goes on, nor
+        #: settles, on another
+        self._in_group = False
+        self._pinned: JobConnection | None = None
 
     # connections -----------------------------------------------------------------
 
@@ -340,6 +345,13 @@ class Slot:
     def conn(self) -> db.Conn:
         if self.abandoned:
             raise psycopg.OperationalError(ABANDONED)
+        pinned = self._pinned
+        if pinned is not None:
+            if pinned is not self._conn or pinned.closed or pinned.broken:
+                # what the group did so far went with it: a new connection would settle its jobs with their
+                # effects lost, and run the next ones without their records (run_group gives it all back)
+                raise psycopg.OperationalError(GROUP_CONNECTION_LOST)
+            return pinned
         if self._conn is None or self._conn.closed or self._conn.broken:
             name = self.w.config.application_name
             conn = cast(JobConnection, db.connect(self.w.dsn, application_name=name, cls=JobConnection))
@@ -349,13 +361,20 @@ class Slot:
             self._conn = conn
             if self.abandoned:  # while it connected: nothing of it may reach the server through it
                 raise psycopg.OperationalError(ABANDONED)
+        if self._in_group:
+            self._pinned = self._conn
         return self._conn
+
+    def _group_connection_lost(self) -> bool:
+        pinned = self._pinned
+        return pinned is not None and (pinned.closed or pinned.broken)
 
     def reset(self) -> None:
         """Drop the connections (they broke, or this thread was given up on). Only from this slot's own
         thread: libpq is not thread-safe on one connection, and closing frees what a call in progress
         reads."""
         conn, self._conn = self._conn, None
+        self._pinned = None  # the group, if any, is given back: its settlements go on a new connection
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.cancel_safe(timeout=1)
@@ -563,6 +582,7 @@ class Slot:
         w.groups += 1
         group = Group(waiting=list(jobs))
         current: Execution | None = None
+        self._in_group, self._pinned = True, None
         try:
             self._delete_stale(group.waiting)
             self._record_group_keys(group.waiting)
@@ -595,6 +615,7 @@ class Slot:
                 group.effects.append(current)
             self._give_back_group(group)
         finally:
+            self._in_group, self._pinned = False, None
             group.flush_counts(w.metrics)
 
     def _raw(self, sql: bytes, expect: psycopg.pq.ExecStatus = psycopg.pq.ExecStatus.COMMAND_OK) -> int:
@@ -796,6 +817,9 @@ class Slot:
         except HandlerFailure as f:
             if self.tx_ended:  # it ended the transaction, then failed: its savepoint is gone with the rest
                 raise TxEnded() from None
+            if _is_db_error(f.exc) and self._group_connection_lost():
+                # not its fault: the group's connection went (a failover); the group is given back
+                raise psycopg.OperationalError(GROUP_CONNECTION_LOST) from f.exc
             ex.ended = time.monotonic()
             self._forget_key(ex, savepoint if opened else None)
             group.failed.append((ex, f.exc))
@@ -1015,7 +1039,11 @@ class Slot:
                 if handler.done() and not handler.cancelled():
                     handler.exception()  # what it raised once cancelled is retrieved: asyncio would log it
                 raise HandlerFailure(self._cancel_exc(ex))
-            if not handler.cancelled() and handler.exception() is not None:
+            if handler.cancelled():
+                # nobody cancelled the job: its task ended cancelled of itself (it awaited a future another
+                # task cancelled, or raised CancelledError): not a success, nothing of it commits
+                raise HandlerFailure(asyncio.CancelledError("the handler's task ended cancelled"))
+            if handler.exception() is not None:
                 raise HandlerFailure(handler.exception())
             if aconn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
                 raise HandlerFailure(_swallowed_error())

@@ -294,3 +294,32 @@ def fail_later(ctx: JobContext, payload: dict[str, Any]) -> None:
         time.sleep(payload["seconds"])
         raise TransientError("failed after a while")
     _ledger(ctx, payload)
+
+
+@worker_core.task(
+    "t.cut_group_conn", retry=FAST, timeout=20, requires_idempotency_key=True, reason="tests need fast, bounded retries"
+)
+def cut_group_conn(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Once (a marker row decides): from a connection of its own, terminates the server process of the
+    transaction its group has open (the only one idle in a transaction), as a failover would, before it
+    writes through ctx.tx. Then, and every other time, writes its ledger row."""
+    with psycopg.connect(ctx.dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE IF NOT EXISTS once (name text PRIMARY KEY)")
+        if c.execute("INSERT INTO once VALUES ('cut') ON CONFLICT DO NOTHING RETURNING name").fetchone():
+            c.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE state = 'idle in transaction'"
+                " AND datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            time.sleep(0.3)
+    _ledger(ctx, payload)
+
+
+@worker_core.task("t.async_self_cancel", retry=FAST, reason="tests need fast, bounded retries")
+async def async_self_cancel(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """First attempt: writes, then its task ends cancelled (it awaited something another task cancelled,
+    say) though nobody cancelled the job. Later attempts write and return."""
+    _ = await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, "x", ctx.attempt)
+    )
+    if ctx.attempt == 1:
+        raise asyncio.CancelledError()

@@ -530,6 +530,21 @@ def test_a_slot_that_cannot_reach_the_database_does_not_spin_on_the_jobs_it_give
     assert 1 <= len(errors) <= 1.5 / OUTAGE_PAUSE + 2
 
 
+def test_a_group_whose_connection_is_lost_midway_does_not_settle_its_earlier_jobs_elsewhere(
+    dsn: str, conn: db.Conn
+) -> None:
+    # a group [A, B]: A writes its effect in the group's transaction; then that connection is lost (a
+    # failover). A's effect and record are gone with it: A must run again, not be settled succeeded on a
+    # new connection with nothing behind it; B is given back, not charged an attempt
+    a = enqueue(conn, "t.ledger", {"item": "A"}, idempotency_key="gA", priority=0).id
+    b = enqueue(conn, "t.cut_group_conn", {"item": "B"}, idempotency_key="gB", priority=1).id
+    conn.commit()
+    _run_measured(dsn, ("t.ledger", "t.cut_group_conn"))
+    assert [state(dsn, j) for j in (a, b)] == ["succeeded", "succeeded"]
+    assert sorted(r["item"] for r in ledger(dsn)) == ["A", "B"]  # each effect once, none lost
+    assert [job(dsn, j)["errors"] for j in (a, b)] == [[], []]
+
+
 def test_keys_that_look_like_placeholders_are_recorded_as_they_are(dsn: str, conn: db.Conn) -> None:
     # the group's statements are filled in one pass: a key is never substituted into again
     keys = ["%(now)s", "%(retention_seconds)s", "a%(rows)sb", "%(key)s", "%(job_id)s"]

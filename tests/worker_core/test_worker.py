@@ -256,6 +256,17 @@ def test_the_connection_of_an_abandoned_slot_sends_nothing(conn: db.Conn, dsn: s
     assert scalar(dsn, "SELECT is_called FROM abandoned_sends") is False
 
 
+def test_an_async_handler_whose_task_ends_cancelled_unasked_fails_and_commits_nothing(
+    conn: db.Conn, dsn: str
+) -> None:
+    j = enqueue(conn, "t.async_self_cancel", {}).id
+    run_burst(dsn)
+    row = job(dsn, j)
+    assert (row["state"], row["attempts"]) == ("succeeded", 2)
+    assert [e["class"] for e in row["errors"]] == ["CancelledError"]
+    assert [r["attempt"] for r in ledger(dsn)] == [2]  # the first attempt's write did not commit
+
+
 def test_async_handler_is_cancelled_at_its_timeout(conn: db.Conn, dsn: str) -> None:
     j = enqueue(conn, "t.async_slow", {"seconds": 60}).id  # timeout 1 s, max_attempts 1
     ok = enqueue(conn, "t.async_ok", {"item": "after"}).id
