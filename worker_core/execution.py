@@ -23,6 +23,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import math
 import random
 import re
 import time
@@ -313,6 +314,34 @@ class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
         await super().set_autocommit(value)
 
 
+#: the longest delay a handler's ``retry_in`` may ask for (a year)
+MAX_RETRY_IN_SECONDS = 366 * 86400.0
+
+
+def _retry_in(exc: BaseException) -> float | None:
+    """A TransientError's ``retry_in``, if it is a usable number of seconds (a Retry-After header passed on
+    as the string it came as would otherwise fail the settlement itself), within a year."""
+    value = getattr(exc, "retry_in", None)
+    try:
+        seconds = float(value) if value is not None and not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        return None
+    if seconds is None or math.isnan(seconds):
+        return None
+    return min(max(seconds, 0.0), MAX_RETRY_IN_SECONDS)
+
+
+def _error_message(exc: BaseException) -> str:
+    """An error's message as the database can store it: its own text (or, if that fails, a placeholder),
+    with no NUL (PostgreSQL text refuses it) nor lone surrogate (UTF-8 refuses them), bounded."""
+    try:
+        message = str(exc).strip() or repr(exc)
+    except Exception:
+        message = f"<{type(exc).__name__} whose message could not be read>"
+    message = message.replace("\x00", "\\0").encode("utf-8", "backslashreplace").decode("utf-8")
+    return message[:MAX_ERROR_MESSAGE]
+
+
 def _is_db_error(exc: BaseException) -> bool:
     return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
 
@@ -558,6 +587,8 @@ class Slot:
             for other, exc in group.failed:
                 try:
                     self._after_failure(other, exc)
+                except Exception:  # the others are settled all the same; this one's lease brings it back
+                    other.ctx.logger.exception("could not settle the job's failure")
                 finally:
                     self._finish(other, other.started)
         finally:
@@ -869,6 +900,8 @@ class Slot:
         for ex, exc in failed:
             try:
                 self._after_failure(ex, exc)
+            except Exception:  # the others are settled all the same; this one's lease brings it back
+                ex.ctx.logger.exception("could not settle the job's failure")
             finally:
                 self._finish(ex, ex.started)
                 self._leave(group, [ex])
@@ -1110,15 +1143,14 @@ class Slot:
             state = "dead_lettered"
         else:
             state = "retry_scheduled"
-            retry_in = getattr(exc, "retry_in", None)
+            retry_in = _retry_in(exc)
             # claims return the policy as text: decoded only here, on the failure path
             policy = job["retry_policy"]
             policy = json.loads(policy) if isinstance(policy, str) else policy
             delay = retry_in if retry_in is not None else RetryPolicy.from_json(policy).delay(attempt)
             scheduled_at = now + dt.timedelta(seconds=delay)
         cls = type(exc).__name__
-        message = str(exc).strip() or repr(exc)
-        message = message[:MAX_ERROR_MESSAGE]
+        message = _error_message(exc)
         error = {
             "attempt": attempt,
             "kind": kind,

@@ -323,3 +323,24 @@ async def async_self_cancel(ctx: JobContext, payload: dict[str, Any]) -> None:
     )
     if ctx.attempt == 1:
         raise asyncio.CancelledError()
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+@worker_core.task("t.awkward_failure", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
+def awkward_failure(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Fails, the first time, with an error the worker has to settle carefully: ``how`` is "retry_in" (a
+    Retry-After header passed on as it came, a string), "nul" (a NUL and a lone surrogate in its message)
+    or "unprintable" (its __str__ raises)."""
+    if ctx.attempt > 1:
+        _ledger(ctx, payload)
+        return
+    how = payload["how"]
+    if how == "retry_in":
+        raise TransientError("rate limited", retry_in="0.05")  # type: ignore[arg-type]
+    if how == "nul":
+        raise ValueError("bad\x00byte \ud800 here")
+    raise _Unprintable()

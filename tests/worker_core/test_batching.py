@@ -25,7 +25,16 @@ from tests.worker_core.helpers import (
     wait_for,
 )
 from worker_core import db, ops
-from worker_core.execution import OUTAGE_PAUSE, UNRECORD_GROUP_KEYS, JobConnection, Slot, fill
+from worker_core.errors import TransientError
+from worker_core.execution import (
+    MAX_RETRY_IN_SECONDS,
+    OUTAGE_PAUSE,
+    UNRECORD_GROUP_KEYS,
+    JobConnection,
+    Slot,
+    _retry_in,
+    fill,
+)
 from worker_core.maintenance import analyze_if_stale
 from worker_core.producer import enqueue, enqueue_many
 from worker_core.worker import Worker
@@ -543,6 +552,34 @@ def test_a_group_whose_connection_is_lost_midway_does_not_settle_its_earlier_job
     assert [state(dsn, j) for j in (a, b)] == ["succeeded", "succeeded"]
     assert sorted(r["item"] for r in ledger(dsn)) == ["A", "B"]  # each effect once, none lost
     assert [job(dsn, j)["errors"] for j in (a, b)] == [[], []]
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "alone"])
+def test_failures_the_worker_must_settle_carefully_are_settled_and_leak_nothing(
+    dsn: str, conn: db.Conn, grouped: bool
+) -> None:
+    # each fails once with an awkward error (see t.awkward_failure): each is settled retry_scheduled with
+    # a readable error, runs again and succeeds; none is left in flight (the burst worker finishes)
+    hows = ["retry_in", "nul", "unprintable"]
+    ids = [enqueue(conn, "t.awkward_failure", {"how": h, "item": h}).id for h in hows]
+    conn.commit()
+    w = _run_measured(dsn, ("t.awkward_failure",)) if grouped else run_burst(dsn, group_max=1, timeout=30)
+    assert not w._in_flight
+    rows = [job(dsn, j) for j in ids]
+    assert [(r["state"], r["attempts"]) for r in rows] == [("succeeded", 2)] * 3
+    assert [r["errors"][0]["kind"] for r in rows] == ["transient", "unknown", "unknown"]
+    assert "\x00" not in rows[1]["errors"][0]["message"] and "byte" in rows[1]["errors"][0]["message"]
+    assert rows[2]["errors"][0]["class"] == "_Unprintable"
+    assert sorted(r["item"] for r in ledger(dsn)) == sorted(hows)
+
+
+def test_a_retry_in_is_taken_when_it_is_a_number_of_seconds_within_a_year() -> None:
+    def retry_in(value: Any) -> float | None:
+        return _retry_in(TransientError("x", retry_in=value))
+
+    assert [retry_in(v) for v in (30, "30", " 2.5 ", -5)] == [30.0, 30.0, 2.5, 0.0]
+    assert retry_in(float("inf")) == MAX_RETRY_IN_SECONDS
+    assert [retry_in(v) for v in (None, "soon", float("nan"), True, [1])] == [None] * 5
 
 
 def test_keys_that_look_like_placeholders_are_recorded_as_they_are(dsn: str, conn: db.Conn) -> None:
