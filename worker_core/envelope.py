@@ -91,6 +91,32 @@ class TypeDefaults:
     requires_idempotency_key: bool = False
 
 
+def check_payload(problems: list[str], payload: Any) -> str:
+    """A payload's problems (appended to ``problems``) and its JSON: an object of string keys, JSON-able
+    (no NaN), no NUL, valid text, at most MAX_PAYLOAD_BYTES. Also for a payload an operator's requeue
+    replaces (ops.requeue)."""
+    payload_json = "{}"
+    if not isinstance(payload, Mapping):
+        problems.append(f"payload must be a JSON object, not {type(payload).__name__}")
+        return payload_json
+    try:
+        payload_json = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        problems.append(f"payload is not JSON-serialisable: {type(e).__name__}: {e}")
+        return "{}"
+    for bad_key in _non_string_keys(payload):
+        problems.append(f"payload keys must be strings, not {type(bad_key).__name__} {bad_key!r}")
+    if NUL_IN_JSON_RE.search(payload_json):
+        problems.append("payload must not contain NUL characters")
+    if not _utf8(payload_json):
+        problems.append("payload must be valid text (it contains a lone surrogate)")
+    else:
+        size = len(payload_json.encode())
+        if size > MAX_PAYLOAD_BYTES:
+            problems.append(f"payload is {size} bytes, over the limit of {MAX_PAYLOAD_BYTES}")
+    return payload_json
+
+
 def _number(problems: list[str], name: str, value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         problems.append(f"{name} must be a finite number, not {value!r}")
@@ -159,26 +185,9 @@ def build_envelope(
     elif len(job_type) > MAX_JOB_TYPE_LENGTH or not JOB_TYPE_RE.match(job_type):
         problems.append(f"job_type {job_type!r} must match [a-z0-9_.-]+ (at most {MAX_JOB_TYPE_LENGTH} chars)")
 
-    payload_json = "{}"
+    payload_json = check_payload(problems, payload)
     if not isinstance(payload, Mapping):
-        problems.append(f"payload must be a JSON object, not {type(payload).__name__}")
         payload = {}
-    else:
-        try:
-            payload_json = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError, RecursionError) as e:
-            problems.append(f"payload is not JSON-serialisable: {type(e).__name__}: {e}")
-        else:
-            for bad_key in _non_string_keys(payload):
-                problems.append(f"payload keys must be strings, not {type(bad_key).__name__} {bad_key!r}")
-            if NUL_IN_JSON_RE.search(payload_json):
-                problems.append("payload must not contain NUL characters")
-            if not _utf8(payload_json):
-                problems.append("payload must be valid text (it contains a lone surrogate)")
-            else:
-                size = len(payload_json.encode())
-                if size > MAX_PAYLOAD_BYTES:
-                    problems.append(f"payload is {size} bytes, over the limit of {MAX_PAYLOAD_BYTES}")
 
     queue = fields.get("queue", d.queue)
     if not isinstance(queue, str) or not QUEUE_RE.match(queue) or len(queue) > 100:

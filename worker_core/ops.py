@@ -13,8 +13,8 @@ from typing import Any
 
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
-from worker_core.envelope import QUEUE_RE
-from worker_core.errors import ReadOnlyError
+from worker_core.envelope import MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
+from worker_core.errors import EnvelopeError, ReadOnlyError
 from worker_core.models import ActionResult
 from worker_core.sql import queries
 
@@ -124,8 +124,13 @@ def requeue(
     """dead_lettered | failed | cancelled -> queued, with ``budget`` fresh attempts and the history kept.
     ``payload`` replaces the payload (a fix), recorded in the audit entry."""
     ids = _ids(job_ids)
-    if budget < 1:
-        raise ValueError("budget must be >= 1")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_MAX_ATTEMPTS:
+        raise ValueError(f"budget must be an integer between 1 and {MAX_MAX_ATTEMPTS}")
+    if payload is not None:
+        problems: list[str] = []
+        check_payload(problems, payload)
+        if problems:
+            raise EnvelopeError(problems)
     actor = actor or Actor.current()
     now = clock.now()
     with conn.transaction():

@@ -212,3 +212,16 @@ def test_worker_group_flag_sets_how_many_jobs_share_a_transaction(
     assert [c.group_max for c in seen] == [1, 32]
     assert conn.execute("SELECT state FROM job_queue").fetchall() == [{"state": "succeeded"}]
     cli("worker", "--tasks", "tests.worker_core.tasks", "--group", "0", code=2)
+
+
+def test_requeue_refuses_a_payload_or_budget_enqueue_would_refuse_and_changes_nothing(cli: Any, conn: db.Conn) -> None:
+    jid = cli("enqueue", "t.ok").stdout.strip()
+    cli("kill", jid)
+    for bad in ('{"a": NaN}', '{"s": "\\u0000"}', '{"s": "\\ud800"}', '{"big": "' + "x" * 300_000 + '"}'):
+        result = cli("requeue", jid, "--payload", bad, code=2)
+        assert "payload" in result.output
+    for budget in ("100000", "3000000000"):
+        assert "budget" in cli("requeue", jid, "--budget", budget, code=2).output
+    job = stats.get_job(conn, jid)
+    assert job.state.value == "cancelled" and job.payload == {}
+    assert [a.action for a in stats.audit_log(conn)] == ["kill"]
