@@ -10,6 +10,7 @@ from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
 
+import psycopg
 from psycopg import sql
 
 from worker_core.db import Conn
@@ -63,7 +64,13 @@ def migrate(conn: Conn, folder: Traversable | None = None) -> list[Migration]:
     """Apply what is missing; return what was applied. A second run applies nothing."""
     pending = load_migrations(folder)
     applied: list[Migration] = []
+    fresh = conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
     with conn.transaction():
+        if fresh:
+            # before any statement takes a snapshot: under a repeatable-read default, the snapshot of a
+            # worker waiting for the lock below would predate the migrations the holder applies, and it
+            # would apply them again ("already exists")
+            conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
         conn.execute(
             """CREATE TABLE IF NOT EXISTS worker_core_migrations (

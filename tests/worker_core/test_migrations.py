@@ -124,7 +124,12 @@ def test_a_new_file_is_applied_forward_and_a_failing_one_leaves_no_trace(empty_d
         assert conn.execute("SELECT max(version) AS v FROM worker_core_migrations").fetchone() == {"v": 9001}
 
 
-def test_concurrent_migrate_is_serialised_by_the_advisory_lock(empty_dsn: str) -> None:
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_concurrent_migrate_is_serialised_by_the_advisory_lock(empty_dsn: str, isolation: str) -> None:
+    # a server (or role) whose default isolation is repeatable read: the waiters' snapshots must not date
+    # from before the first one committed (they would apply everything again)
+    level = isolation.replace(" ", "\\ ")
+    dsn = psycopg.conninfo.make_conninfo(empty_dsn, options=f"-c default_transaction_isolation={level}")
     n = 4
     barrier = threading.Barrier(n)
     results: list[list[int]] = []
@@ -133,7 +138,7 @@ def test_concurrent_migrate_is_serialised_by_the_advisory_lock(empty_dsn: str) -
 
     def run() -> None:
         try:
-            with db.connect(empty_dsn) as conn:
+            with db.connect(dsn) as conn:
                 barrier.wait(timeout=10)
                 applied = migrate(conn)
                 conn.commit()
