@@ -90,6 +90,8 @@ def guarded(fn: Callable[[], T]) -> T:
         fail(str(e), 1)
     except psycopg.OperationalError as e:
         fail(f"database error: {e}".strip(), 3)
+    except psycopg.DataError as e:
+        fail(f"invalid value: {str(e).strip()}", 2)
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -161,6 +163,10 @@ def migrate(dsn: DsnOpt = None) -> None:
             applied = run_migrations(conn)
     except psycopg.OperationalError as e:
         fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
+    except RuntimeError as e:  # an applied migration that changed: forward-only
+        fail(str(e), 3)
+    except psycopg.Error as e:  # a migration the server refused: it rolled back, nothing of it stays
+        fail(f"migration failed, nothing of it was applied: {db.redact(str(e).strip(), target)}", 3)
     if applied:
         for m in applied:
             typer.echo(f"applied {m.version:04d}_{m.name}")
@@ -494,6 +500,9 @@ def limit(
     max_running: Annotated[int | None, typer.Argument(help="At most this many run at once (0 holds them).")] = None,
     queue: Annotated[str, typer.Option("--queue", help="Only in this queue ('*': every queue).")] = "*",
     clear: Annotated[bool, typer.Option("--clear", help="Remove the limit.")] = False,
+    unknown_type: Annotated[
+        bool, typer.Option("--unknown-type", help="Allow a type no worker runs yet and no job has.")
+    ] = False,
     reason: ReasonOpt = None,
     dsn: DsnOpt = None,
 ) -> None:
@@ -507,7 +516,8 @@ def limit(
                 if row["job_type"] == job_type:
                     typer.echo(f"{row['job_type']} {row['queue']} {row['max_running']} ({row['source']})")
         else:
-            guarded(lambda: ops.set_limit(conn, job_type, max_running, queue=queue, reason=reason))
+            n, allow = max_running, unknown_type
+            guarded(lambda: ops.set_limit(conn, job_type, n, queue=queue, reason=reason, allow_unknown=allow))
             typer.echo(f"{job_type} in {queue}: at most {max_running} running")
 
 

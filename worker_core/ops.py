@@ -13,7 +13,7 @@ from typing import Any
 
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
-from worker_core.envelope import MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
+from worker_core.envelope import JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
 from worker_core.errors import EnvelopeError, ReadOnlyError
 from worker_core.models import ActionResult
 from worker_core.sql import queries
@@ -222,6 +222,10 @@ def resume(conn: Conn, queue: str, **kwargs: Any) -> ActionResult:
     return set_paused(conn, queue, False, **kwargs)
 
 
+#: the largest concurrency limit (the column is an integer)
+MAX_LIMIT = 1_000_000
+
+
 def set_limit(
     conn: Conn,
     job_type: str,
@@ -231,17 +235,28 @@ def set_limit(
     actor: Actor | None = None,
     reason: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    allow_unknown: bool = False,
 ) -> ActionResult:
     """At most ``max_running`` jobs of ``job_type`` (in ``queue``, or every queue) run at once, fleet-wide.
-    0 holds them all. Workers pick the change up within a heartbeat; jobs over the limit simply wait."""
-    if max_running < 0:
-        raise ValueError("a concurrency limit must be >= 0")
+    0 holds them all. Workers pick the change up within a heartbeat; jobs over the limit simply wait. A type
+    no worker registered and no job has is refused unless ``allow_unknown``."""
+    if isinstance(max_running, bool) or not isinstance(max_running, int) or not 0 <= max_running <= MAX_LIMIT:
+        raise ValueError(f"a concurrency limit must be an integer between 0 and {MAX_LIMIT}")
     if queue != "*" and not QUEUE_RE.match(queue):
         raise ValueError(f"{queue!r} is not a queue name")
+    if not JOB_TYPE_RE.match(job_type):
+        raise ValueError(f"{job_type!r} is not a job type name ([a-z0-9_.-]+)")
     actor = actor or Actor.current()
     now = clock.now()
     with conn.transaction():
         ensure_writable(conn)
+        known = conn.execute(queries["job_type_known"], {"job_type": job_type}).fetchone()
+        if not allow_unknown and not (known and known["known"]):
+            # a misspelt type would hold nothing, silently, in the middle of an incident
+            raise ValueError(
+                f"no worker runs job type {job_type!r} and no job of it exists: check its spelling"
+                " (a limit for a type still to come: allow_unknown / --unknown-type)"
+            )
         conn.execute(
             queries["limit_set"],
             {"job_type": job_type, "queue": queue, "max_running": max_running, "source": "operator",

@@ -225,3 +225,12 @@ def test_requeue_refuses_a_payload_or_budget_enqueue_would_refuse_and_changes_no
     job = stats.get_job(conn, jid)
     assert job.state.value == "cancelled" and job.payload == {}
     assert [a.action for a in stats.audit_log(conn)] == ["kill"]
+
+
+def test_limit_and_migrate_errors_are_messages_and_exit_codes(cli: Any, conn: db.Conn) -> None:
+    assert "check its spelling" in cli("limit", "t.nope", "0", code=2).output
+    assert "between 0 and" in cli("limit", "t.ok", "3000000000", "--unknown-type", code=2).output
+    assert "at most 0 running" in cli("limit", "t.new", "0", "--unknown-type").output
+    conn.execute("UPDATE worker_core_migrations SET checksum = 'x' WHERE version = 1")
+    conn.commit()
+    assert "forward-only" in cli("migrate", code=3).output

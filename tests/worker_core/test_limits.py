@@ -69,3 +69,18 @@ def test_a_limit_of_zero_holds_every_job_of_the_type(dsn: str, conn: db.Conn) ->
     with running_worker(dsn):
         wait_for(lambda: scalar(dsn, "SELECT state FROM job_queue WHERE id = %s", (other,)) == "succeeded")
     assert scalar(dsn, "SELECT state FROM job_queue WHERE id = %s", (held,)) == "queued"
+
+
+def test_a_limit_on_a_misspelt_type_is_refused_not_silently_ineffective(conn: db.Conn) -> None:
+    # in an incident, `limit invoice.generte 0` must not look like it held anything
+    enqueue(conn, "t.ok", {})
+    with pytest.raises(ValueError, match="check its spelling"):
+        ops.set_limit(conn, "t.okk", 0, reason="incident")
+    with pytest.raises(ValueError, match="not a job type name"):
+        ops.set_limit(conn, "T.Ok", 0, reason="incident")
+    with pytest.raises(ValueError, match="between 0 and"):
+        ops.set_limit(conn, "t.ok", 3_000_000_000)
+    assert stats.limits(conn) == [] and stats.audit_log(conn) == []
+    ops.set_limit(conn, "t.ok", 0, reason="incident")  # a type with jobs
+    ops.set_limit(conn, "t.coming", 2, reason="before its first deploy", allow_unknown=True)
+    assert {r["job_type"] for r in stats.limits(conn)} == {"t.ok", "t.coming"}

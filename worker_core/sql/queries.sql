@@ -190,6 +190,11 @@ WITH running AS (
 )
 {{claim_ready}};
 
+-- name: job_type_known
+-- A type a worker registered (job_type_contracts), or that has a job: what a limit may name.
+SELECT EXISTS (SELECT 1 FROM job_type_contracts WHERE job_type = %(job_type)s)
+    OR EXISTS (SELECT 1 FROM job_queue WHERE job_type = %(job_type)s) AS known;
+
 -- name: limit_lock
 SELECT pg_advisory_xact_lock(hashtext('qconsole-limit:' || %(job_type)s || ':' || %(scope)s));
 
