@@ -201,10 +201,23 @@ def enqueue_many(
     with _in_callers_transaction(conn):
         inserted = conn.execute(queries["insert_jobs_many"], {**columns, "now": now}).fetchall()
         by_key = {r["dedup_key"]: r["id"] for r in inserted if r["dedup_key"] is not None}
-        missing = [e.dedup_key for e in envs if e.dedup_key is not None and e.dedup_key not in by_key]
-        if missing:
-            for r in conn.execute(queries["live_by_dedup_keys"], {"keys": missing}):
-                by_key.setdefault(r["dedup_key"], r["id"])
+        for _ in range(5):
+            missing = list(dict.fromkeys(e.dedup_key for e in envs if e.dedup_key and e.dedup_key not in by_key))
+            if missing:
+                for r in conn.execute(queries["live_by_dedup_keys"], {"keys": missing}):
+                    by_key.setdefault(r["dedup_key"], r["id"])
+            # a holder that finished between our insert and our look-up: those jobs are inserted again
+            gone = {k for k in missing if k not in by_key}
+            if not gone:
+                break
+            again = [_params(e, now) for e in {e.dedup_key: e for e in reversed(envs) if e.dedup_key in gone}.values()]
+            more = conn.execute(
+                queries["insert_jobs_many"], {**{n: [r[n] for r in again] for n in again[0]}, "now": now}
+            ).fetchall()
+            inserted += more
+            by_key.update({r["dedup_key"]: r["id"] for r in more})
+        else:
+            raise RuntimeError(f"could not enqueue: dedup keys {sorted(gone)!r} kept changing hands")
     # rows without a dedup key come back in insertion order (one statement, one unnest)
     plain = iter([r["id"] for r in inserted if r["dedup_key"] is None])
     out: list[EnqueueResult] = []

@@ -409,3 +409,30 @@ def test_a_timeout_given_alone_brings_a_lease_long_enough_for_it(tx_conn: db.Con
     assert row == {"visibility_timeout_seconds": 32}
     with pytest.raises(EnvelopeError, match="must exceed"):  # both given: as given, checked
         enqueue(tx_conn, "unregistered.type", {}, timeout_seconds=120, visibility_timeout_seconds=90)
+
+
+def test_enqueue_many_when_a_dedup_holder_finishes_between_its_insert_and_its_look_up(
+    conn: db.Conn, dsn: str
+) -> None:
+    # the live holder of "k" makes the insert skip it; it finishes before the look-up finds it: the job is
+    # inserted again (it raised KeyError, after the rows without a key were written)
+    holder = enqueue(conn, "t.ok", {}, dedup_key="k").id
+    conn.commit()
+    execute, finished = conn.execute, []
+
+    def holder_finishes_meanwhile(query: Any, *args: Any, **kwargs: Any) -> Any:
+        if "dedup_key = ANY" in str(query) and not finished:
+            with db.connect(dsn, autocommit=True) as other:
+                other.execute("UPDATE job_queue SET state = 'succeeded', finished_at = now() WHERE id = %s", (holder,))
+            finished.append(True)
+        return execute(query, *args, **kwargs)
+
+    conn.execute = holder_finishes_meanwhile  # type: ignore[method-assign]
+    try:
+        results = enqueue_many(conn, [("t.ok", {"n": 1}), ("t.ok", {"n": 2}, {"dedup_key": "k"})])
+    finally:
+        del conn.execute
+    conn.commit()
+    assert finished and [r.created for r in results] == [True, True] and results[1].id != holder
+    live = conn.execute("SELECT id FROM job_queue WHERE dedup_key = 'k' AND state = 'queued'").fetchall()
+    assert [r["id"] for r in live] == [results[1].id]
