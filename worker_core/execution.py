@@ -1010,8 +1010,6 @@ class Slot:
         if self._loop is None or self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
         loop = self._loop
-        # the job cancels its own handler at the timeout; the watchdog only steps in if the loop is stuck
-        self._begin_handler(ex, ASYNC_GRACE_MARGIN)
         try:
             loop.run_until_complete(self._async_job(ex, task))
         except (HandlerFailure, LeaseLost, psycopg.Error):
@@ -1048,6 +1046,10 @@ class Slot:
             ctx.tx = aconn
             ctx._on_tx = lambda: self._begin_for_handler(aconn)
             self.tx_ended = False
+            # from here, not before: its wait on the key's row (another job holding it) is no handler time,
+            # as for sync jobs. The job cancels its own handler at the timeout; the watchdog only steps in
+            # if the loop is stuck
+            self._begin_handler(ex, ASYNC_GRACE_MARGIN)
             self.handler_running = True  # ctx.tx is the handler's until it is done (AsyncJobConnection)
             try:
                 handler = asyncio.ensure_future(task.fn(ctx, job["payload"]))

@@ -267,6 +267,24 @@ def test_an_async_handler_whose_task_ends_cancelled_unasked_fails_and_commits_no
     assert [r["attempt"] for r in ledger(dsn)] == [2]  # the first attempt's write did not commit
 
 
+def test_an_async_job_waiting_on_its_key_behind_another_is_not_timed_out_for_the_wait(
+    conn: db.Conn, dsn: str
+) -> None:
+    # B (timeout 1 s) has the key A holds while A runs for 3 s: B waits on the key's row, as a sync job
+    # does, and its timeout starts with its handler. Then it finds the key processed: a hit, not a timeout
+    a = enqueue(conn, "t.async_ok", {"sleep": 3, "item": "A"}, idempotency_key="K").id
+    conn.commit()
+    with running_worker(dsn, concurrency=2, cancel_grace=0.2) as w:
+        wait_for(lambda: state(dsn, a) == "running", 10, what="A to start")
+        time.sleep(0.2)  # A holds the key's row now
+        b = enqueue(conn, "t.async_ok", {"item": "B"}, idempotency_key="K", timeout_seconds=1,
+                    visibility_timeout_seconds=10).id  # fmt: skip
+        conn.commit()
+        wait_for(lambda: state(dsn, b) == "succeeded", 15, what="B to settle")
+    assert job(dsn, b)["errors"] == [] and w.zombies == 0
+    assert [r["item"] for r in ledger(dsn)] == ["A"]
+
+
 def test_async_handler_is_cancelled_at_its_timeout(conn: db.Conn, dsn: str) -> None:
     j = enqueue(conn, "t.async_slow", {"seconds": 60}).id  # timeout 1 s, max_attempts 1
     ok = enqueue(conn, "t.async_ok", {"item": "after"}).id
