@@ -493,8 +493,9 @@ class Slot:
         task = w.registry.get(job["job_type"])
         now = w.clock.now()
         latency_ms = max(0.0, (now - job["scheduled_at"]).total_seconds() * 1000)
-        w.metrics.add_many(job["queue"], job["job_type"], {"started": 1, "latency_ms_sum": latency_ms})
+        started = {"started": 1, "latency_ms_sum": latency_ms}
         if task is None:  # the claim filters on registered types; only a changed registry gets here
+            w.metrics.add_many(job["queue"], job["job_type"], started)
             self.settle_failure(ex, PermanentError(f"no handler for job type {job['job_type']!r}"))
             return
         if job["lock_key"]:
@@ -511,8 +512,9 @@ class Slot:
                 ctx.logger.info("lock contention on %s: rescheduled in %.1fs", job["lock_key"], delay)
                 w._burst_hold_until = max(w._burst_hold_until, time.monotonic() + delay)
                 self.release(ex, delay)
-                return
+                return  # not an attempt (it is given back): not counted as started
             ex.lock = (job["lock_key"], token)
+        w.metrics.add_many(job["queue"], job["job_type"], started)
         t0 = ex.started = time.monotonic()
         try:
             if task.is_async:

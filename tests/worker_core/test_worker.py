@@ -451,6 +451,7 @@ def test_jobs_sharing_a_lock_key_never_overlap(conn: db.Conn, dsn: str) -> None:
     _assert_never_overlapped(dsn, ids)
     assert state(dsn, free) == "succeeded"
     assert scalar(dsn, "SELECT count(*) FROM resource_locks") == 0  # every lease released
+    assert metric(dsn, "started") == 5  # a rescheduled contention is no attempt started
 
 
 def test_a_job_that_loses_its_lock_key_lease_while_it_runs_commits_nothing_and_runs_again(
