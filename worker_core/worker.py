@@ -220,6 +220,7 @@ class Worker:
             self._spawn(self._slot_main, f"slot-{i}", i)
         self._publish_contracts()
         self._heartbeat_once()  # before the heartbeat thread: they share its connection
+        self._first_housekeeping()
         self._spawn(self._heartbeat_main, "heartbeat")
         self._spawn(self._housekeeping_main, "housekeeping")
         self._spawn(self._watchdog_main, "watchdog")
@@ -751,11 +752,23 @@ class Worker:
                 self._want_solo = True
                 self._wake.set()
 
+    def _first_housekeeping(self) -> None:
+        """The round at start, before the first claim (a fresh table's statistics: see
+        maintenance.analyze_if_stale), on the heartbeat's connection: nothing is in flight yet for the beats
+        to wait on, and where connections are scarce it takes none the completer or the listener, which
+        connect next, would then have to wait for."""
+        try:
+            self.housekeeping(self._heartbeat_conn())
+        except psycopg.Error as e:
+            self.log.warning("housekeeping failed: %s", db.redact(str(e).strip(), self.dsn))
+            self._hb_conn = None
+        except Exception:
+            self.log.exception("housekeeping error")
+
     def _housekeeping_main(self) -> None:
-        """A round at start (a fresh table's statistics: see maintenance.analyze_if_stale), then one every
-        ``housekeeping_interval``, whichever worker wins the lock. A connection for the round only: where
-        connections are scarce, it is not one the claims, the heartbeat or the completer wait for."""
-        wait = 0.0
+        """The rounds after the first, one every ``housekeeping_interval``, whichever worker wins the lock.
+        A connection for the round only, closed after it."""
+        wait = self.config.housekeeping_interval * random.uniform(0.9, 1.1)
         while not self._halted.wait(wait):
             wait = self.config.housekeeping_interval * random.uniform(0.9, 1.1)
             try:

@@ -304,7 +304,7 @@ def test_slow_jobs_are_never_claimed_beyond_the_slots_and_the_prefetch(dsn: str,
 
 def test_slots_that_cannot_connect_give_their_jobs_back_and_the_worker_carries_on(dsn: str, conn: db.Conn) -> None:
     # a role allowed the worker's four own connections (claims, heartbeat, listener, completer) and none for
-    # its slots (housekeeping takes one for its round, for a moment): jobs that need a slot's transaction
+    # its slots (housekeeping's later rounds take one for a moment): jobs that need a slot's transaction
     # are given back, not leaked; jobs that need none succeed
     role = f"qc_limited_{uuid.uuid4().hex[:8]}"
     conn.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 4")

@@ -62,7 +62,7 @@ def test_a_workers_own_connections_bound_their_statements(dsn: str, monkeypatch:
         return connect(*args, **kwargs)
 
     monkeypatch.setattr(db, "connect", recording)
-    with running_worker(dsn):
+    with running_worker(dsn, housekeeping_interval=0.2):  # its rounds after the first, on connections of their own
         wait_for(lambda: {name for name, _ in opened} >= {"completer", "housekeeping", "listener"}, 10,
                  what="the worker's own connections")  # fmt: skip
     timeouts = dict(opened)

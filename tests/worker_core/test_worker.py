@@ -658,18 +658,21 @@ def test_a_dropped_job_in_a_paused_queue_does_not_hold_up_the_other_queues(conn:
 def test_a_long_housekeeping_round_does_not_hold_up_the_heartbeat(
     conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a round that takes long (a large backlog to prune): meanwhile the worker beats, and runs jobs
-    in_round, release = threading.Event(), threading.Event()
+    # a round that takes long (a large backlog to prune): meanwhile the worker beats, and runs jobs. (The
+    # round at start runs before the first claim, when nothing is in flight: that one is quick here.)
+    in_round, release, rounds = threading.Event(), threading.Event(), []
 
     def long_round(self: Worker, hk_conn: db.Conn) -> bool:
-        in_round.set()
-        release.wait(20)
+        rounds.append(threading.current_thread().name)
+        if len(rounds) > 1:
+            in_round.set()
+            release.wait(20)
         return True
 
     monkeypatch.setattr(Worker, "housekeeping", long_round)
     beat = "SELECT last_heartbeat_at FROM workers WHERE id = %s"
     try:
-        with running_worker(dsn, heartbeat_interval=0.1) as w:
+        with running_worker(dsn, heartbeat_interval=0.1, housekeeping_interval=0.3) as w:
             assert in_round.wait(10)
             first = wait_for(lambda: scalar(dsn, beat, (w.id,)), 10, what="a first beat")
             wait_for(lambda: scalar(dsn, beat, (w.id,)) > first, 5, what="a beat during the round")
@@ -679,6 +682,8 @@ def test_a_long_housekeeping_round_does_not_hold_up_the_heartbeat(
             release.set()
     finally:
         release.set()
+    # the first on the worker's own thread before it claimed, the next on the housekeeping thread
+    assert rounds[0].startswith("test-worker-") and rounds[1] == "housekeeping"
 
 
 def test_jobs_claimed_before_a_later_claim_statement_fails_still_run(
