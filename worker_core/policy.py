@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from worker_core.envelope import DEFAULT_VISIBILITY_MARGIN_SECONDS, TypeDefaults
+from worker_core.retry import BUILTIN as RETRY_BUILTIN
+from worker_core.retry import FIELDS as RETRY_FIELDS
 from worker_core.retry import RetryPolicy
 
 if sys.version_info >= (3, 11):
@@ -29,16 +31,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-RETRY_FIELDS = ("backoff", "base_seconds", "max_delay_seconds", "jitter")
 FIELDS = ("max_attempts", "timeout_seconds", "visibility_timeout_seconds", *RETRY_FIELDS)
 BUILTIN: dict[str, Any] = {
     "max_attempts": 5,
     "timeout_seconds": 60.0,
     "visibility_timeout_seconds": None,  # timeout + DEFAULT_VISIBILITY_MARGIN_SECONDS
-    "backoff": "exponential",
-    "base_seconds": 2.0,
-    "max_delay_seconds": 600.0,
-    "jitter": 0.2,
+    **RETRY_BUILTIN,
 }
 _TYPES: dict[str, type] = {"max_attempts": int, "backoff": str}
 

@@ -8,6 +8,7 @@ import datetime as dt
 import json
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from psycopg.pq import TransactionStatus
@@ -28,31 +29,50 @@ def prepare(
     payload: Any,
     envelope: Mapping[str, Any],
     registry: Registry | None = None,
-    registered: Mapping[str, TypeDefaults] | None = None,
+    registered: Mapping[str, Registered] | None = None,
 ) -> Envelope:
     """Validate one message with the defaults of its type: the local registry's @task if the producer
     imported it, else the contract the workers registered for the type (``registered``), else the
-    deployment's policy for the queue (worker_core.policy)."""
+    deployment's policy for the queue (worker_core.policy).
+
+    A job sent to another queue than its type's (``queue=...``) takes that queue's policy under the type's
+    own overrides: the queue's layer sits between the deployment's defaults and the type's."""
+    queue = envelope.get("queue")
+    queue = queue if isinstance(queue, str) and queue else None  # a malformed one is refused below
     task = (registry or default_registry).get(job_type) if isinstance(job_type, str) else None
     if task is not None:
-        defaults = task.defaults()
+        defaults = task.defaults(queue)
     elif registered and isinstance(job_type, str) and job_type in registered:
-        defaults = registered[job_type]
+        defaults = registered[job_type].defaults(queue)
     else:
-        queue = envelope.get("queue", DEFAULT_QUEUE)
-        defaults = policy.current().type_defaults(queue if isinstance(queue, str) else DEFAULT_QUEUE)
+        defaults = policy.current().type_defaults(queue or DEFAULT_QUEUE)
     return build_envelope(job_type, payload, envelope, defaults)
 
 
-#: job_type -> (monotonic expiry, the registered defaults or None): one look-up per type and minute
-_registered_cache: dict[tuple[str, str], tuple[float, TypeDefaults | None]] = {}
+@dataclass(frozen=True)
+class Registered:
+    """A type's contract as its workers registered it (job_type_contracts), for a producer without its @task."""
+
+    #: the envelope's defaults in the type's own queue, as the workers resolved them
+    own: TypeDefaults
+    #: the fields the type sets itself (source ``type:...``), to resolve the type in another queue
+    type_layer: policy.Layer | None
+
+    def defaults(self, queue: str | None = None) -> TypeDefaults:
+        if queue is None or queue == self.own.queue:
+            return self.own
+        return policy.current().type_defaults(queue, self.type_layer, self.own.requires_idempotency_key)
+
+
+#: (database, job_type) -> (monotonic expiry, the registered contract or None): one look-up per type and minute
+_registered_cache: dict[tuple[str, str], tuple[float, Registered | None]] = {}
 REGISTERED_TTL_SECONDS = 60.0
 
 
 def registered_defaults(
     conn: Conn, job_types: Iterable[str], registry: Registry | None = None
-) -> dict[str, TypeDefaults]:
-    """The defaults the workers registered (job_type_contracts) for the types this process has no @task for,
+) -> dict[str, Registered]:
+    """The contracts the workers registered (job_type_contracts) for the types this process has no @task for,
     so a producer that never imports the handlers still enqueues under the handlers' contract."""
     local = registry or default_registry
     now = time.monotonic()
@@ -66,7 +86,7 @@ def registered_defaults(
             row = found.get(t)
             _registered_cache[(database, t)] = (
                 now + REGISTERED_TTL_SECONDS,
-                _defaults_from_contract(row) if row else None,
+                _registered_from_contract(row) if row else None,
             )
     out = {}
     for t in wanted:
@@ -76,9 +96,9 @@ def registered_defaults(
     return out
 
 
-def _defaults_from_contract(row: Mapping[str, Any]) -> TypeDefaults:
+def _registered_from_contract(row: Mapping[str, Any]) -> Registered:
     c = {k: v["value"] for k, v in row["contract"].items()}
-    return TypeDefaults(
+    own = TypeDefaults(
         queue=row["queue"],
         max_attempts=int(c["max_attempts"]),
         timeout_seconds=float(c["timeout_seconds"]),
@@ -89,6 +109,9 @@ def _defaults_from_contract(row: Mapping[str, Any]) -> TypeDefaults:
         ),
         requires_idempotency_key=bool(row["requires_idempotency_key"]),
     )  # fmt: skip
+    layer_name = f"type:{row['job_type']}"
+    overrides = {k: v["value"] for k, v in row["contract"].items() if v.get("source") == layer_name}
+    return Registered(own, policy.Layer(layer_name, overrides, "registered") if overrides else None)
 
 
 def _in_callers_transaction(conn: Conn) -> contextlib.AbstractContextManager[Any]:

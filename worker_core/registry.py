@@ -55,7 +55,7 @@ class Task:
         if self.visibility_timeout is not None:
             out["visibility_timeout_seconds"] = float(self.visibility_timeout)
         if self.retry is not None:
-            out.update(self.retry.to_json())
+            out.update(self.retry.overrides())
         return out
 
     def layer(self) -> policy.Layer | None:
@@ -76,8 +76,10 @@ class Task:
             concurrency=self.concurrency,
         )
 
-    def defaults(self) -> TypeDefaults:
-        return policy.current().type_defaults(self.queue, self.layer(), self.requires_idempotency_key)
+    def defaults(self, queue: str | None = None) -> TypeDefaults:
+        """The envelope's defaults in the type's queue, or in ``queue`` when a producer sends a job of the
+        type elsewhere: that queue's policy, under the type's own overrides."""
+        return policy.current().type_defaults(queue or self.queue, self.layer(), self.requires_idempotency_key)
 
 
 class Registry:

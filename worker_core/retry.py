@@ -5,6 +5,9 @@ The delay of attempt n (1-based, the attempt that just failed):
   linear:       base * n
   exponential:  base * 2 ** (n - 1)
 capped at max_delay, then jittered by +-jitter (a fraction), and never above max_delay.
+
+A policy remembers which fields it was given (``given``): ``@task(retry=RetryPolicy(base_seconds=5))``
+overrides the base delay only, and the type keeps the deployment's backoff, max delay and jitter.
 """
 
 from __future__ import annotations
@@ -12,22 +15,38 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 BACKOFFS = ("fixed", "linear", "exponential")
 #: a longer delay would not fit a timestamp once added to "now" (and an infinite one is not JSON)
 MAX_RETRY_DELAY_SECONDS = 366 * 86400.0
+FIELDS = ("backoff", "base_seconds", "max_delay_seconds", "jitter")
+BUILTIN: dict[str, Any] = {"backoff": "exponential", "base_seconds": 2.0, "max_delay_seconds": 600.0, "jitter": 0.2}
+_UNSET: Any = object()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RetryPolicy:
-    backoff: str = "exponential"
-    base_seconds: float = 2.0
-    max_delay_seconds: float = 600.0
-    jitter: float = 0.2
+    backoff: str = BUILTIN["backoff"]
+    base_seconds: float = BUILTIN["base_seconds"]
+    max_delay_seconds: float = BUILTIN["max_delay_seconds"]
+    jitter: float = BUILTIN["jitter"]
+    #: the fields given explicitly; the others hold the built-in values. Not part of equality.
+    given: frozenset[str] = field(default=frozenset(), init=False, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        backoff: str = _UNSET,
+        base_seconds: float = _UNSET,
+        max_delay_seconds: float = _UNSET,
+        jitter: float = _UNSET,
+    ) -> None:
+        values = {"backoff": backoff, "base_seconds": base_seconds, "max_delay_seconds": max_delay_seconds,
+                  "jitter": jitter}  # fmt: skip
+        for name, value in values.items():
+            object.__setattr__(self, name, BUILTIN[name] if value is _UNSET else value)
+        object.__setattr__(self, "given", frozenset(n for n, v in values.items() if v is not _UNSET))
         problems = self.problems()
         if problems:
             raise ValueError("invalid retry policy: " + "; ".join(problems))
@@ -60,13 +79,17 @@ class RetryPolicy:
         return max(0.0, min(capped, self.max_delay_seconds))
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in FIELDS}
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields given explicitly, to lay over another policy's."""
+        return {name: getattr(self, name) for name in FIELDS if name in self.given}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | None) -> RetryPolicy:
         if not data:
             return cls()
-        known = {k: data[k] for k in ("backoff", "base_seconds", "max_delay_seconds", "jitter") if k in data}
+        known = {k: data[k] for k in FIELDS if k in data}
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise ValueError(f"unknown retry policy fields: {', '.join(unknown)}")

@@ -46,7 +46,7 @@ def test_an_override_without_a_reason_is_refused_at_registration() -> None:
     with pytest.raises(PolicyError, match="without a reason"):
         Registry().register(Task("x.no_reason", handler, max_attempts=9))
     with pytest.raises(PolicyError, match="without a reason"):
-        Registry().register(Task("x.blank_reason", handler, retry=RetryPolicy(), reason="  "))
+        Registry().register(Task("x.blank_reason", handler, retry=RetryPolicy(jitter=0), reason="  "))
     Registry().register(Task("x.plain", handler))  # inheriting everything needs no reason
 
 
@@ -76,6 +76,37 @@ def test_effective_contract_says_where_each_value_comes_from(deployment: policy.
     assert eff["max_attempts"] == (12, "queue:billing")
     assert eff["timeout_seconds"] == (5.0, "type:invoice.generate")
     assert eff["backoff"] == ("linear", "default")
+
+
+def test_a_partial_retry_override_keeps_the_deployments_other_retry_fields(
+    deployment: policy.DeploymentPolicy,
+) -> None:
+    """``RetryPolicy(base_seconds=5)`` names one field: the backoff and jitter the deployment set stay."""
+    slow = Task("x.slow", handler, retry=RetryPolicy(base_seconds=5), reason="the provider throttles")
+    eff = slow.effective()
+    assert eff["base_seconds"] == (5.0, "type:x.slow")
+    assert eff["backoff"] == ("linear", "default") and eff["jitter"] == (0.0, "default")
+    assert eff["max_delay_seconds"] == (600.0, "default")
+    assert slow.defaults().retry_policy == RetryPolicy("linear", 5.0, 600.0, 0.0)
+    # a field given explicitly wins even where it equals the built-in value
+    back = Task("x.back", handler, retry=RetryPolicy(backoff="exponential"), reason="doubling suits it")
+    assert back.effective()["backoff"] == ("exponential", "type:x.back")
+    assert Task("x.none", handler, retry=RetryPolicy()).overrides() == {}
+
+
+def test_a_job_sent_to_another_queue_takes_that_queues_policy(
+    deployment: policy.DeploymentPolicy, conn: db.Conn
+) -> None:
+    """A registered type enqueued with ``queue=...``: the queue's layer under the type's own overrides."""
+    reg = Registry()
+    reg.register(Task("x.mail", handler, queue="default", timeout=5, reason="mail is quick"))
+    elsewhere = enqueue(conn, "x.mail", {}, queue="billing", registry=reg).id
+    home = enqueue(conn, "x.mail", {}, registry=reg).id
+    rows = {r["id"]: r for r in conn.execute("SELECT id, queue, max_attempts, timeout_seconds FROM job_queue")}
+    assert (rows[elsewhere]["queue"], rows[elsewhere]["max_attempts"], rows[elsewhere]["timeout_seconds"]) == (
+        "billing", 12, 5.0,
+    )  # fmt: skip
+    assert (rows[home]["queue"], rows[home]["max_attempts"], rows[home]["timeout_seconds"]) == ("default", 7, 5.0)
 
 
 def test_enqueue_applies_the_effective_policy(deployment: policy.DeploymentPolicy, conn: db.Conn) -> None:
@@ -125,3 +156,21 @@ def test_a_producer_without_the_handlers_enqueues_under_the_registered_contract(
     rows = {r["id"]: r for r in conn.execute("SELECT id, max_attempts, timeout_seconds FROM job_queue")}
     assert (rows[before]["max_attempts"], rows[before]["timeout_seconds"]) == (5, 60.0)
     assert (rows[after]["max_attempts"], rows[after]["timeout_seconds"]) == (2, 2.0)
+
+
+def test_a_producer_without_the_handlers_sends_a_registered_type_to_another_queue(
+    dsn: str, conn: db.Conn, deployment: policy.DeploymentPolicy
+) -> None:
+    """The registered contract's own fields (source type:...) stay; the rest comes from the new queue."""
+    from tests.worker_core.helpers import run_burst
+    from worker_core import producer
+
+    run_burst(dsn)
+    producer._registered_cache.clear()
+    jid = enqueue(conn, "t.ledger", {}, queue="billing", idempotency_key="k1", registry=Registry()).id
+    got = conn.execute("SELECT queue, max_attempts, timeout_seconds FROM job_queue WHERE id = %s", (jid,))
+    row = got.fetchone()
+    assert row is not None
+    # t.ledger sets its timeout (20 s) itself, which stays; its max_attempts came from the defaults (7),
+    # and billing's own (12) applies in billing
+    assert (row["queue"], row["max_attempts"], row["timeout_seconds"]) == ("billing", 12, 20.0)
