@@ -498,7 +498,9 @@ def policies(
 def limit(
     job_type: Annotated[str, typer.Argument()],
     max_running: Annotated[int | None, typer.Argument(help="At most this many run at once (0 holds them).")] = None,
-    queue: Annotated[str, typer.Option("--queue", help="Only in this queue ('*': every queue).")] = "*",
+    queue: Annotated[
+        str, typer.Option("--queue", help="Only in this queue ('*': all its queues together; both limits apply).")
+    ] = "*",
     clear: Annotated[bool, typer.Option("--clear", help="Remove the limit.")] = False,
     unknown_type: Annotated[
         bool, typer.Option("--unknown-type", help="Allow a type no worker runs yet and no job has.")

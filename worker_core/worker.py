@@ -406,20 +406,36 @@ class Worker:
         return running
 
     def _claim_limited(self, conn: db.Conn, free: int) -> list[dict[str, Any]]:
-        """Claims for the job types with a global concurrency limit, one (type, scope) at a time."""
+        """Claims for the job types with a global concurrency limit, one type at a time.
+
+        A type's limits are taken together in one transaction: its '*' limit (all its queues together)
+        and its queues' own limits both apply. Their advisory locks are taken '*' first and then queue by
+        queue in name order by every worker, so two workers never wait on each other in a circle."""
         rows: list[dict[str, Any]] = []
-        limits = self._limits
-        if not limits:
+        by_type: dict[str, dict[str, int]] = {}
+        for job_type, scope, max_running in self._limits:
+            by_type.setdefault(job_type, {})[scope] = max_running
+        if not by_type:
             return rows
-        start = self._limit_turn % len(limits)
+        types = sorted(by_type)
+        start = self._limit_turn % len(types)
         self._limit_turn += 1
-        for job_type, scope, max_running in limits[start:] + limits[:start]:
+        for job_type in types[start:] + types[:start]:
             if free - len(rows) <= 0:
                 break
-            params = {**self._claim_params(free - len(rows)), "job_type": job_type, "scope": scope}
+            scopes = by_type[job_type]
+            type_max = scopes.get("*")
+            order = (["*"] if type_max is not None else []) + sorted(s for s in scopes if s != "*")
             with conn.transaction():
-                conn.execute(queries["limit_lock"], params)
-                rows += conn.execute(queries["claim_limited"], {**params, "max_running": max_running}).fetchall()
+                for scope in order:
+                    conn.execute(queries["limit_lock"], {"job_type": job_type, "scope": scope})
+                # the queues with a limit of their own first, then (within the room left) the others
+                for scope in order[1:] + order[:1] if type_max is not None else order:
+                    if free - len(rows) <= 0:
+                        break
+                    params = {**self._claim_params(free - len(rows)), "job_type": job_type, "scope": scope}
+                    params.update(max_running=scopes[scope], type_max=type_max if scope != "*" else None)
+                    rows += conn.execute(queries["claim_limited"], params).fetchall()
         return rows
 
     def refresh_claim_filters(self) -> None:

@@ -71,6 +71,27 @@ def test_a_limit_of_zero_holds_every_job_of_the_type(dsn: str, conn: db.Conn) ->
     assert scalar(dsn, "SELECT state FROM job_queue WHERE id = %s", (held,)) == "queued"
 
 
+def test_a_types_limit_caps_its_queues_own_limits_too(dsn: str, conn: db.Conn) -> None:
+    """`limit T 1` and `limit T 3 --queue slow`: both apply, so never more than one runs anywhere."""
+    enqueue_many(conn, [("t.limited", {"seconds": 0.05}, {"queue": q}) for q in ("slow", "default") * 3])
+    ops.set_limit(conn, "t.limited", 1, reason="the type's own cap")
+    ops.set_limit(conn, "t.limited", 3, queue="slow", reason="a looser queue")
+    run_burst(dsn, task_modules=("tests.worker_core.tasks_contract",), concurrency=4)
+    assert scalar(dsn, "SELECT count(*) FROM job_queue WHERE state = 'succeeded'") == 6
+    assert scalar(dsn, PEAK) == 1
+
+
+def test_a_limit_of_zero_holds_the_type_in_a_queue_with_its_own_limit(dsn: str, conn: db.Conn) -> None:
+    """The runbook's `limit T 0` holds the type everywhere, also where a queue has a limit of its own."""
+    held = enqueue(conn, "t.ok", {}, queue="bulk").id
+    other = enqueue(conn, "t.flaky", {"fail_times": 0}, queue="bulk").id
+    ops.set_limit(conn, "t.ok", 5, queue="bulk", reason="bulk may run five")
+    ops.set_limit(conn, "t.ok", 0, reason="incident: stop this type")
+    with running_worker(dsn, queues=("bulk",)):
+        wait_for(lambda: scalar(dsn, "SELECT state FROM job_queue WHERE id = %s", (other,)) == "succeeded")
+    assert scalar(dsn, "SELECT state FROM job_queue WHERE id = %s", (held,)) == "queued"
+
+
 def test_a_limit_on_a_misspelt_type_is_refused_not_silently_ineffective(conn: db.Conn) -> None:
     # in an incident, `limit invoice.generte 0` must not look like it held anything
     enqueue(conn, "t.ok", {})

@@ -169,13 +169,14 @@ WHERE j.id = d.id
 RETURNING {{claimed_columns}}, d.expired AS reclaimed;
 
 -- name: claim_limited
--- One limited (job type, queue scope) at a time, serialized by an advisory lock on it: count what runs,
--- claim at most the difference. Run in a transaction after `limit_lock`.
+-- One limited (job type, queue scope) at a time, serialized by advisory locks: count what runs, claim at
+-- most the difference. A type's '*' limit caps all its queues together, a queue's own limit that queue
+-- (both apply: `type_max` is the '*' limit when claiming for a queue's own). Run in a transaction after
+-- `limit_lock` on the type's '*' scope (if limited) and then on each of its queue scopes, in that order.
+-- The '*' pass takes the queues without a limit of their own; the queue passes take theirs.
 WITH running AS (
-    SELECT count(*) AS n FROM job_queue
-    WHERE state = 'running' AND job_type = %(job_type)s AND (%(scope)s = '*' OR queue = %(scope)s)
-      AND NOT (%(scope)s = '*' AND EXISTS (SELECT 1 FROM concurrency_limits l
-                                         WHERE l.job_type = job_queue.job_type AND l.queue = job_queue.queue))
+    SELECT count(*) FILTER (WHERE %(scope)s = '*' OR queue = %(scope)s) AS here, count(*) AS everywhere
+    FROM job_queue WHERE state = 'running' AND job_type = %(job_type)s
 ), ready AS MATERIALIZED (
     SELECT id FROM job_queue
     WHERE state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s AND NOT suspect
@@ -185,7 +186,8 @@ WITH running AS (
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND queue <> ALL(%(paused)s::text[])
     ORDER BY priority, scheduled_at, id
-    LIMIT greatest(0, least(%(limit)s, %(max_running)s - (SELECT n FROM running)))
+    LIMIT greatest(0, least(%(limit)s, %(max_running)s - (SELECT here FROM running),
+                            coalesce(%(type_max)s::int, 2147483647) - (SELECT everywhere FROM running)))
     FOR UPDATE SKIP LOCKED
 )
 {{claim_ready}};
@@ -199,7 +201,7 @@ SELECT EXISTS (SELECT 1 FROM job_type_contracts WHERE job_type = %(job_type)s)
 SELECT pg_advisory_xact_lock(hashtext('qconsole-limit:' || %(job_type)s || ':' || %(scope)s));
 
 -- name: limits_for_types
--- The most specific limit wins: a queue's own limit over the '*' one.
+-- A type's '*' limit and its queues' own limits: both apply (claim_limited).
 SELECT job_type, queue AS scope, max_running FROM concurrency_limits WHERE job_type = ANY(%(job_types)s)
 ORDER BY job_type, queue;
 
