@@ -105,8 +105,13 @@ class Completer:
         with conn.transaction():
             rows = conn.execute(queries["settle_succeeded_many"], settle_many_params(self.w, batch)).fetchall()
         self.flushed += len(rows)
-        if len(rows) < len(batch):
-            settled = {r["id"] for r in rows}
-            for ex in batch:
-                if ex.job["id"] not in settled:
-                    ex.ctx.logger.warning("job no longer held by this worker: not settled")
+        settled = {r["id"] for r in rows}
+        counts: dict[tuple[str, str], int] = {}
+        for ex in batch:
+            job = ex.job
+            if job["id"] in settled:
+                counts[(job["queue"], job["job_type"])] = counts.get((job["queue"], job["job_type"]), 0) + 1
+            else:
+                ex.ctx.logger.warning("job no longer held by this worker: not settled")
+        for (queue, job_type), n in counts.items():
+            self.w.metrics.add(queue, job_type, "succeeded", n)

@@ -862,8 +862,7 @@ class Slot:
             group.effects.append(ex)
             return
         # nothing to commit with it: the completer settles it with others in one statement
-        w.completer.add(ex)
-        self._succeeded(ex, idempotency_hit=False)
+        self._to_completer(ex)
         self._finish(ex, ex.started)
         group.done.append(ex)
 
@@ -925,6 +924,12 @@ class Slot:
             "retention_seconds": self.w.config.idempotency_retention_seconds,
         }
 
+    def _to_completer(self, ex: Execution) -> None:
+        """A success with no effect: the completer settles it, and counts it once its fenced settlement
+        went through (a job meanwhile killed or reclaimed is not a success of this worker)."""
+        ex.outcome = {}
+        self.w.completer.add(ex)
+
     def _succeeded(self, ex: Execution, idempotency_hit: bool) -> None:
         if idempotency_hit:
             ex.hit = True
@@ -961,8 +966,7 @@ class Slot:
             raise HandlerFailure(_swallowed_error())
         if not ex.ctx.tx_used and not job["idempotency_key"]:
             # no effect to commit with it: the completer settles it with others in one statement
-            self.w.completer.add(ex)
-            self._succeeded(ex, idempotency_hit=False)
+            self._to_completer(ex)
             return
         if conn.execute(queries["settle_succeeded"], self._fence(ex)).fetchone() is None:
             raise LeaseLost()
@@ -1086,8 +1090,7 @@ class Slot:
                 raise HandlerFailure(_swallowed_error())
             if not ctx.tx_used and not job["idempotency_key"]:
                 # nothing to commit with it: the completer settles it with others, as for sync handlers
-                self.w.completer.add(ex)
-                self._succeeded(ex, idempotency_hit=False)
+                self._to_completer(ex)
                 return
             cur = await aconn.execute(queries["settle_succeeded"], self._fence(ex))
             if await cur.fetchone() is None:

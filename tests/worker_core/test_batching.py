@@ -72,6 +72,22 @@ def test_async_successes_without_effects_settle_in_batches_too(dsn: str, conn: d
     assert sorted(r["item"] for r in ledger(dsn)) == ["a0", "a1"]
 
 
+def test_a_batched_success_is_counted_only_once_its_settlement_went_through(dsn: str, conn: db.Conn) -> None:
+    """A job another worker took over while its handler ran: the completer's fenced settlement refuses
+    it, and this worker does not count it a success (the taker counts its own run)."""
+    taken = enqueue(conn, "t.slow", {"seconds": 1.0}).id
+    kept = enqueue(conn, "t.ok", {}).id
+    with running_worker(dsn, concurrency=2, heartbeat_interval=30.0) as worker:
+        wait_for(lambda: state(dsn, taken) == "running", timeout=10)
+        # as a rescuer would after a lease ran out: the row is no longer this worker's
+        conn.execute("UPDATE job_queue SET locked_by = 'rescuer' WHERE id = %s", (taken,))
+        wait_for(lambda: state(dsn, kept) == "succeeded" and not worker._in_flight, timeout=10)
+        wait_for(lambda: worker.completer.pending() == 0, timeout=10)
+    assert state(dsn, taken) == "running"  # still the rescuer's
+    assert metric(dsn, "succeeded", "t.slow") == 0
+    assert metric(dsn, "succeeded", "t.ok") == 1
+
+
 def test_housekeeping_analyzes_a_queue_table_after_a_burst(conn: db.Conn) -> None:
     enqueue_many(conn, [("t.ok", {}) for _ in range(3000)])
     assert analyze_if_stale(conn) is True
