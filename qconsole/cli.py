@@ -48,10 +48,27 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
+#: ``--dsn`` and ``--read-only`` given before the subcommand (``qconsole --dsn X kill ...``): they hold for
+#: it, as they would for the console. Set by the callback on every run.
+_ROOT: dict[str, Any] = {"dsn": None, "read_only": False, "command": None}
+
+
+def _dsn(dsn: str | None) -> str | None:
+    """The subcommand's own ``--dsn``, else the one given before it."""
+    return dsn if dsn is not None else _ROOT["dsn"]
+
+
+def _refuse_if_read_only(command: str) -> None:
+    if _ROOT["read_only"]:
+        fail(f"read-only mode: `qconsole {command}` changes the database and is refused (drop --read-only)", 1)
+
+
 @contextmanager
 def connect(dsn: str | None, *, read_only: bool = False, autocommit: bool = True) -> Iterator[db.Conn]:
     """A connection with a clear error when the database is unreachable or not migrated."""
-    configured = db.configured_dsn(dsn)
+    if not read_only:
+        _refuse_if_read_only(_ROOT["command"] or "this command")
+    configured = db.configured_dsn(_dsn(dsn))
     try:
         target = db.resolve_dsn(configured)
     except RuntimeError as e:
@@ -133,6 +150,7 @@ def console(
     theme: Annotated[str | None, typer.Option("--theme", help="Textual theme, e.g. textual-dark.")] = None,
 ) -> None:
     """Open the incident console (with no subcommand)."""
+    _ROOT.update(dsn=dsn, read_only=read_only, command=ctx.invoked_subcommand)
     if ctx.invoked_subcommand is not None:
         return
     from qconsole.app import run_console
@@ -157,7 +175,8 @@ def demo(
 @app.command()
 def migrate(dsn: DsnOpt = None) -> None:
     """Apply the migrations that are missing (under an advisory lock); a second run changes nothing."""
-    target = db.resolve_dsn(dsn)
+    _refuse_if_read_only("migrate")
+    target = db.resolve_dsn(_dsn(dsn))
     try:
         with db.connect(target, application_name="qconsole-migrate") as conn:
             applied = run_migrations(conn)
@@ -309,7 +328,7 @@ def worker(
     with connect(dsn):
         pass  # reachable and migrated before any process starts
     config = WorkerConfig(
-        dsn=db.configured_dsn(dsn),
+        dsn=db.configured_dsn(_dsn(dsn)),
         task_modules=modules,
         queues=tuple(queue) if queue else None,
         concurrency=concurrency,
@@ -346,7 +365,7 @@ def metrics(
 
     with connect(dsn, read_only=True):
         pass
-    serve_fleet(db.resolve_dsn(dsn), port, addr)
+    serve_fleet(db.resolve_dsn(_dsn(dsn)), port, addr)
     typer.echo(f"serving fleet metrics on http://{addr}:{port}/metrics")
     threading.Event().wait()
 

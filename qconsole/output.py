@@ -9,8 +9,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from qconsole.widgets.fmt import duration
+from qconsole.widgets.fmt import duration, printable
 from worker_core.models import (
     ActionResult,
     AuditEntry,
@@ -30,6 +31,12 @@ def _json(value: Any) -> None:
     print(json.dumps(to_jsonable(value), indent=2, sort_keys=False, default=str))
 
 
+def _row(table: Table, *cells: Any) -> None:
+    """A row of data, never of markup: a reason like ``INC-7 [/var full]`` is printed as it is (as markup it
+    would vanish, or raise), and job data reaches the terminal without its escape sequences."""
+    table.add_row(*(Text(printable(str(c))) for c in cells))
+
+
 def ts(value: dt.datetime | None) -> str:
     return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
@@ -40,7 +47,7 @@ def jobs(rows: list[Job], as_json: bool) -> None:
         return
     t = Table("id", "type", "queue", "state", "attempt", "updated", "last error", box=None, pad_edge=False)
     for j in rows:
-        t.add_row(
+        _row(t,
             str(j.id),
             j.job_type,
             j.queue,
@@ -68,17 +75,17 @@ def job(j: Job, lock: dict[str, Any] | None, as_json: bool) -> None:
         "locked_by", "locked_until", "lease_expirations", "created_at", "started_at", "finished_at", "updated_at",
     ):  # fmt: skip
         value = getattr(j, name)
-        t.add_row(name, ts(value) if isinstance(value, dt.datetime) else ("-" if value is None else str(value)))
-    t.add_row("retry_policy", json.dumps(j.retry_policy))
+        _row(t, name, ts(value) if isinstance(value, dt.datetime) else ("-" if value is None else str(value)))
+    _row(t, "retry_policy", json.dumps(j.retry_policy))
     if lock:
-        t.add_row("lock held", f"{lock['lock_key']} until {ts(lock['expires_at'])}")
+        _row(t, "lock held", f"{lock['lock_key']} until {ts(lock['expires_at'])}")
     console.print(t)
     console.print("[bold]payload[/bold]")
-    console.print(json.dumps(j.payload, indent=2, ensure_ascii=False), markup=False)
+    console.print(Text(printable(json.dumps(j.payload, indent=2, ensure_ascii=False))))
     if j.errors:
         e = Table("attempt", "kind", "class", "message", "worker", "at", box=None, pad_edge=False, title="errors")
         for err in j.errors:
-            e.add_row(str(err.attempt), err.kind, err.error_class, err.message, err.worker or "-", ts(err.at))
+            _row(e, str(err.attempt), err.kind, err.error_class, err.message, err.worker or "-", ts(err.at))
         console.print(e)
 
 
@@ -99,7 +106,7 @@ def overview(ov: Overview, as_json: bool) -> None:
         "retries", box=None, pad_edge=False, title=f"last {ov.window_minutes} min",
     )  # fmt: skip
     for s in ov.types:
-        t.add_row(
+        _row(t,
             s.queue + (" (paused)" if s.paused else ""),
             s.job_type,
             str(s.queued),
@@ -125,7 +132,7 @@ def workers(rows: list[WorkerInfo], as_json: bool) -> None:
     t = Table("id", "host", "pid", "queues", "conc", "in flight", "last heartbeat", "status", box=None, pad_edge=False)
     for w in rows:
         status = "stopped" if w.stopped_at else ("LOST" if w.lost else "alive")
-        t.add_row(
+        _row(t,
             w.id, w.host, str(w.pid), ",".join(w.queues or ["*"]), str(w.concurrency), str(w.in_flight),
             ts(w.last_heartbeat_at), status,
         )  # fmt: skip
@@ -138,7 +145,7 @@ def dead_letter_groups(groups: list[DeadLetterGroup], as_json: bool) -> None:
         return
     t = Table("type", "count", "first seen", "last seen", "error", box=None, pad_edge=False)
     for g in groups:
-        t.add_row(g.job_type, str(g.count), ts(g.first_seen), ts(g.last_seen), g.fingerprint[:70])
+        _row(t, g.job_type, str(g.count), ts(g.first_seen), ts(g.last_seen), g.fingerprint[:70])
     console.print(t)
 
 
@@ -149,7 +156,7 @@ def audit(rows: list[AuditEntry], as_json: bool) -> None:
     t = Table("at", "user", "ssh client", "action", "target", "reason", box=None, pad_edge=False)
     for a in rows:
         target = a.queue or (f"{len(a.job_ids)} job(s)" if a.job_ids else "-")
-        t.add_row(ts(a.at), a.os_user, a.ssh_client or "-", a.action, target, a.reason or "-")
+        _row(t, ts(a.at), a.os_user, a.ssh_client or "-", a.action, target, a.reason or "-")
     console.print(t)
 
 
@@ -185,9 +192,9 @@ def policies(contracts: list[TypeContract], as_json: bool, source: str, queues: 
             }
         )
         return
-    console.print(f"policy: {source}")
+    console.print(Text(printable(f"policy: {source}")))
     for q, layer in queues.items():
-        console.print(f"  queue {q}: {layer}")
+        console.print(Text(printable(f"  queue {q}: {layer}")))
     t = Table("type", "queue", "attempts", "timeout", "visibility", "backoff", "base", "max delay", "jitter",
               "limit", "reason", box=None, pad_edge=False)  # fmt: skip
     for c in contracts:
@@ -196,9 +203,9 @@ def policies(contracts: list[TypeContract], as_json: bool, source: str, queues: 
             value, where = fields.get(name, ("-", "?"))
             return f"{value:g} ({where})" if isinstance(value, float) else f"{value} ({where})"
 
-        t.add_row(c.job_type, c.queue, cell("max_attempts"), cell("timeout_seconds"),
-                  cell("visibility_timeout_seconds"), cell("backoff"), cell("base_seconds"),
-                  cell("max_delay_seconds"), cell("jitter"), str(c.concurrency or "-"), c.reason or "-")  # fmt: skip
+        _row(t, c.job_type, c.queue, cell("max_attempts"), cell("timeout_seconds"),
+             cell("visibility_timeout_seconds"), cell("backoff"), cell("base_seconds"),
+             cell("max_delay_seconds"), cell("jitter"), str(c.concurrency or "-"), c.reason or "-")  # fmt: skip
     console.print(t)
     if not contracts:
         console.print("no job type known: start a worker, or give --tasks MODULE")

@@ -46,7 +46,7 @@ class UnknownJobType(PermanentError):
 
 
 class NotFound(WorkerCoreError, LookupError):
-    """No job with that id."""
+    """No job with that id (or no limit where one was to be cleared)."""
 
 
 class ReadOnlyError(WorkerCoreError):

@@ -14,7 +14,7 @@ from typing import Any
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
 from worker_core.envelope import JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
-from worker_core.errors import EnvelopeError, ReadOnlyError
+from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
 from worker_core.models import ActionResult
 from worker_core.sql import queries
 
@@ -34,6 +34,9 @@ class Actor:
             user = getpass.getuser()
         except Exception:
             user = str(os.getuid()) if hasattr(os, "getuid") else "unknown"
+        sudo = os.environ.get("SUDO_USER")
+        if sudo and sudo != user:
+            user = f"{sudo} (as {user})"  # who typed it, not only the service account sudo switched to
         ssh = os.environ.get("SSH_CLIENT") or os.environ.get("SSH_CONNECTION")
         return cls(os_user=user, ssh_client=ssh.split()[0] if ssh else None)
 
@@ -279,6 +282,15 @@ def clear_limit(
     with conn.transaction():
         ensure_writable(conn)
         found = conn.execute(queries["limit_clear"], {"job_type": job_type, "queue": queue}).fetchone()
+        if found is None:
+            # a misspelt type or queue would clear nothing while the real hold stays, in an incident
+            rows = conn.execute(queries["limits_list"]).fetchall()
+            held = [f"{r['job_type']} in {r['queue']}" for r in rows if r["job_type"] == job_type]
+            scope = "every queue ('*')" if queue == "*" else f"queue {queue!r}"
+            raise NotFound(
+                f"no limit on {job_type!r} in {scope}: "
+                + (f"its limits are {', '.join(held)} (--queue)" if held else "the type has no limit")
+            )
         audit_id = _audit(
             conn, now, actor, "unlimit", queue=None if queue == "*" else queue, reason=reason,
             detail={"job_type": job_type, "queue": queue, "existed": found is not None},

@@ -234,3 +234,54 @@ def test_limit_and_migrate_errors_are_messages_and_exit_codes(cli: Any, conn: db
     conn.execute("UPDATE worker_core_migrations SET checksum = 'x' WHERE version = 1")
     conn.commit()
     assert "forward-only" in cli("migrate", code=3).output
+
+
+def test_data_is_printed_as_text_never_as_markup_or_escape_sequences(cli: Any, conn: db.Conn) -> None:
+    """A reason like ``[/var full]`` is Rich markup syntax: printed as markup it raised MarkupError (the
+    audit unreadable until the row was gone); a job's error reached the terminal with its escapes."""
+    cli("pause", "default", "--reason", "INC-7 [/var full] [bold]x")
+    out = cli("audit").stdout
+    assert "INC-7 [/var full] [bold]x" in out
+    jid = cli("enqueue", "t.ok").stdout.strip()
+    conn.execute(
+        "UPDATE job_queue SET last_error = %s, payload = %s WHERE id = %s",
+        ("boom \x1b]0;pwned\x07\x1b[31m[red]red[/red]", '{"k": "\u009b2J"}', jid),
+    )
+    for args in (("jobs",), ("job", jid)):
+        text = cli(*args).stdout
+        assert "\x1b" not in text and "\u009b" not in text and "pwned" not in text
+    assert "[red]red[/red]" in cli("jobs").stdout
+
+
+def test_dsn_and_read_only_given_before_the_subcommand_hold_for_it(
+    cli: Any, conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qconsole --dsn X kill ...` acted on $QCONSOLE_DSN's database; `qconsole --read-only pause` paused."""
+    jid = cli("enqueue", "t.ok").stdout.strip()
+    monkeypatch.setenv("QCONSOLE_DSN", "postgresql://nobody@127.0.0.1:1/nowhere?connect_timeout=2")
+    assert json.loads(cli("--dsn", dsn, "jobs", "--json").stdout)[0]["id"] == jid
+    assert "read-only mode" in cli("--dsn", dsn, "--read-only", "pause", "default", code=1).output
+    assert "read-only mode" in cli("--dsn", dsn, "--read-only", "kill", jid, code=1).output
+    assert "read-only mode" in cli("--dsn", dsn, "--read-only", "migrate", code=1).output
+    assert json.loads(cli("--dsn", dsn, "--read-only", "job", jid, "--json").stdout)["state"] == "queued"
+    assert [q.paused for q in stats.queues(conn) if q.name == "default"] == [False]
+    assert "1 of 1" in cli("--dsn", dsn, "kill", jid).stdout
+    cli("jobs", code=3)  # the option held for that run only: here $QCONSOLE_DSN again
+
+
+def test_clearing_a_limit_that_does_not_exist_is_an_error_not_a_silent_success(cli: Any, conn: db.Conn) -> None:
+    cli("enqueue", "t.ok")
+    cli("limit", "t.ok", "0", "--reason", "incident")
+    out = cli("limit", "t.okk", "--clear", code=1).output
+    assert "no limit on 't.okk'" in out
+    out = cli("limit", "t.ok", "--clear", "--queue", "billing", code=1).output
+    assert "its limits are t.ok in *" in out
+    assert [a.action for a in stats.audit_log(conn)] == ["limit"]  # the refused clears wrote nothing
+    cli("limit", "t.ok", "--clear")
+    assert stats.limits(conn) == []
+
+
+def test_the_audit_names_who_ran_sudo(cli: Any, conn: db.Conn, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUDO_USER", "alice")
+    cli("pause", "default")
+    assert stats.audit_log(conn, 1)[0].os_user.startswith("alice (as ")
