@@ -1177,9 +1177,9 @@ class Slot:
         row = self._write(queries["settle_error"], params, ex)
         if not row:
             return None
-        if row["state"] != state:  # killed meanwhile: not retried
+        if row["state"] != state:  # killed meanwhile: not retried, not dead-lettered
             state, scheduled_at = row["state"], None
-            ctx.logger.info("killed while it ran: cancelled, not retried")
+            ctx.logger.info("killed while it ran: cancelled")
         q, jt = job["queue"], job["job_type"]
         if kind == "timeout":
             w.metrics.add(q, jt, "timeouts")

@@ -560,9 +560,13 @@ def test_kill_of_a_running_job_is_seen_within_a_heartbeat_and_never_retried(conn
     assert metric(dsn, "cancelled") == 1 and metric(dsn, "retried") == 0
 
 
-def test_a_killed_job_whose_handler_fails_before_the_kill_is_seen_is_not_retried(conn: db.Conn, dsn: str) -> None:
-    # killed while it runs; it fails (a retryable error) before the next heartbeat (30 s) could see the kill
-    j = enqueue(conn, "t.fail_later", {"seconds": 1.0}).id
+@pytest.mark.parametrize("max_attempts", [3, 1], ids=["would-retry", "would-dead-letter"])
+def test_a_killed_job_whose_handler_fails_before_the_kill_is_seen_is_not_retried(
+    conn: db.Conn, dsn: str, max_attempts: int
+) -> None:
+    # killed while it runs; it fails (a retryable error) before the next heartbeat (30 s) could see the kill.
+    # On its last attempt it would be dead-lettered, where a replay of its group would run it again.
+    j = enqueue(conn, "t.fail_later", {"seconds": 1.0}, max_attempts=max_attempts).id
     with running_worker(dsn, heartbeat_interval=30) as w:
         wait_for(lambda: state(dsn, j) == "running", 10, what="the job to start")
         assert ops.kill(conn, [j], actor=ME).changed == [j]

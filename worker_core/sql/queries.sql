@@ -332,10 +332,12 @@ WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked
 RETURNING j.id;
 
 -- name: settle_error
--- A job an operator killed while it ran, which failed before the worker saw the kill, is not retried: it
--- ends cancelled (its error recorded). RETURNING the state written.
+-- A job an operator killed while it ran, which failed before the worker saw the kill, ends cancelled (its
+-- error recorded): not retried, and not failed or dead-lettered either, where a replay of its dead-letter
+-- group would run it again. RETURNING the state written.
 UPDATE job_queue SET
-    state = CASE WHEN %(state)s = 'retry_scheduled' AND cancel_requested THEN 'cancelled' ELSE %(state)s END,
+    state = CASE WHEN cancel_requested AND %(state)s IN ('retry_scheduled', 'failed', 'dead_lettered')
+                 THEN 'cancelled' ELSE %(state)s END,
     scheduled_at = CASE WHEN %(state)s = 'retry_scheduled' AND NOT cancel_requested THEN %(scheduled_at)s
                         ELSE scheduled_at END,
     finished_at = CASE WHEN %(state)s = 'retry_scheduled' AND NOT cancel_requested THEN NULL ELSE %(now)s END,
