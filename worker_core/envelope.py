@@ -6,6 +6,7 @@ Every problem is reported at once (a list), so a producer fixes its message in o
 from __future__ import annotations
 
 import datetime as dt
+import decimal
 import json
 import math
 import re
@@ -25,6 +26,8 @@ TIMESTAMP_IN_KEY_RE = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}")
 NUL_IN_JSON_RE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 MAX_PAYLOAD_BYTES = 256 * 1024
+#: levels of objects and arrays; the worker decodes payloads with the stdlib's recursive json.loads
+MAX_PAYLOAD_DEPTH = 100
 MAX_KEY_LENGTH = 512
 MAX_JOB_TYPE_LENGTH = 200
 DEFAULT_QUEUE = "default"
@@ -34,6 +37,10 @@ DEFAULT_MAX_ATTEMPTS = 5
 MAX_MAX_ATTEMPTS = 1000
 MAX_TIMEOUT_SECONDS = 30 * 86400.0
 MAX_DELAY_SECONDS = 366 * 86400.0
+SCHEDULED_AT_RANGE = (
+    dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc),
+    dt.datetime(3000, 1, 1, tzinfo=dt.timezone.utc),
+)
 DEFAULT_TIMEOUT_SECONDS = 60.0
 #: a visibility timeout must exceed the execution timeout by at least this much
 VISIBILITY_BUFFER_SECONDS = 5.0
@@ -104,24 +111,37 @@ def check_payload(problems: list[str], payload: Any) -> str:
     except (TypeError, ValueError, RecursionError) as e:
         problems.append(f"payload is not JSON-serialisable: {type(e).__name__}: {e}")
         return "{}"
-    for bad_key in _non_string_keys(payload):
-        problems.append(f"payload keys must be strings, not {type(bad_key).__name__} {bad_key!r}")
+    shape = _shape(payload)
+    if shape.has_bad_key:
+        problems.append(f"payload keys must be strings, not {type(shape.bad_key).__name__} {shape.bad_key!r}")
+    if shape.depth > MAX_PAYLOAD_DEPTH:
+        # json.dumps from a shallow stack takes more; a worker, decoding it deeper in its own, could not
+        problems.append(f"payload is nested {shape.depth} levels deep, over the limit of {MAX_PAYLOAD_DEPTH}")
     if NUL_IN_JSON_RE.search(payload_json):
         problems.append("payload must not contain NUL characters")
     if not _utf8(payload_json):
         problems.append("payload must be valid text (it contains a lone surrogate)")
     else:
-        size = len(payload_json.encode())
+        size = len(payload_json.encode()) + shape.expansion
         if size > MAX_PAYLOAD_BYTES:
-            problems.append(f"payload is {size} bytes, over the limit of {MAX_PAYLOAD_BYTES}")
+            problems.append(f"payload is {size} bytes as stored, over the limit of {MAX_PAYLOAD_BYTES}")
     return payload_json
 
 
 def _number(problems: list[str], name: str, value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        problems.append(f"{name} must be a finite number, not {value!r}")
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(float(value))
+    except OverflowError:  # an int beyond any float
+        ok = False
+    if not ok:
+        problems.append(f"{name} must be a finite number, not {_short(value)}")
         return None
     return float(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else "a huge integer"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _key(problems: list[str], name: str, value: Any) -> str | None:
@@ -147,20 +167,40 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def _non_string_keys(value: Any) -> list[Any]:
-    """Dict keys anywhere in ``value`` that are not strings (json.dumps would silently turn
-    ``{1: "a", "1": "b"}`` into two "1" keys, and PostgreSQL keeps only the last)."""
-    stack = [value]
+@dataclass
+class _Shape:
+    """What json.dumps does not check of a payload (_shape)."""
+
+    bad_key: Any = None
+    has_bad_key: bool = False
+    depth: int = 0
+    #: how much longer PostgreSQL writes the payload's floats than JSON does: jsonb keeps numbers as numeric,
+    #: which has no exponent (1e308 comes back as 309 digits, 1e-300 as 302 characters)
+    expansion: int = 0
+
+
+def _shape(value: Any) -> _Shape:
+    """Walked without recursion (a payload nested too deeply for recursion must get a clear error).
+
+    Non-string dict keys: json.dumps would silently turn ``{1: "a", "1": "b"}`` into two "1" keys, and
+    PostgreSQL keeps only the last."""
+    out = _Shape()
+    stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
-        v = stack.pop()
+        v, depth = stack.pop()
         if isinstance(v, Mapping):
+            out.depth = max(out.depth, depth)
             for k, item in v.items():
-                if not isinstance(k, str):
-                    return [k]
-                stack.append(item)
+                if not isinstance(k, str) and not out.has_bad_key:
+                    out.bad_key, out.has_bad_key = k, True
+                stack.append((item, depth + 1))
         elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-    return []
+            out.depth = max(out.depth, depth)
+            stack.extend((item, depth + 1) for item in v)
+        elif isinstance(v, float) and math.isfinite(v) and "e" in repr(v):
+            text = repr(v)
+            out.expansion += max(0, len(format(decimal.Decimal(text), "f")) - len(text))
+    return out
 
 
 def build_envelope(
@@ -210,6 +250,16 @@ def build_envelope(
     if scheduled_at is not None and (not isinstance(scheduled_at, dt.datetime) or scheduled_at.tzinfo is None):
         problems.append("scheduled_at must be a timezone-aware datetime")
         scheduled_at = None
+    elif scheduled_at is not None:
+        try:
+            utc = scheduled_at.astimezone(dt.timezone.utc)
+        except OverflowError:  # year 1 east of UTC, year 9999 west of it
+            utc = None
+        if utc is None or not SCHEDULED_AT_RANGE[0] <= utc < SCHEDULED_AT_RANGE[1]:
+            # out of what every reader decodes: the claim would commit, then fail to read its own batch
+            low, high = (d.date().isoformat() for d in SCHEDULED_AT_RANGE)
+            problems.append(f"scheduled_at must be between {low} and {high} (UTC), not {scheduled_at.isoformat()}")
+            scheduled_at = None
     delay = _number(problems, "delay_seconds", fields.get("delay_seconds", 0.0))
     if delay is not None and delay < 0:
         problems.append("delay_seconds must not be negative")

@@ -133,6 +133,14 @@ class Group:
             metrics.add_many(queue, job_type, values)
 
 
+class UndecodablePayload:
+    """A claimed payload Python cannot decode (nested deeper than its recursion allows: written by another
+    producer than ours, which refuses it). The job fails for good with that reason, not the worker."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
 class HandlerFailure(Exception):
     """Wraps whatever a handler raised (BaseException included) so it never unwinds the worker."""
 
@@ -497,6 +505,10 @@ class Slot:
         if task is None:  # the claim filters on registered types; only a changed registry gets here
             w.metrics.add_many(job["queue"], job["job_type"], started)
             self.settle_failure(ex, PermanentError(f"no handler for job type {job['job_type']!r}"))
+            return
+        if isinstance(job["payload"], UndecodablePayload):
+            w.metrics.add_many(job["queue"], job["job_type"], started)
+            self.settle_failure(ex, PermanentError(f"the payload cannot be decoded: {job['payload'].reason}"))
             return
         if job["lock_key"]:
             token = new_token()

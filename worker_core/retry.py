@@ -26,6 +26,14 @@ BUILTIN: dict[str, Any] = {"backoff": "exponential", "base_seconds": 2.0, "max_d
 _UNSET: Any = object()
 
 
+def _finite(value: Any) -> bool:
+    """A real number, not a bool, that fits a float (10**400 does not: OverflowError, not a clear error)."""
+    try:
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 @dataclass(frozen=True, init=False)
 class RetryPolicy:
     backoff: str = BUILTIN["backoff"]
@@ -55,11 +63,11 @@ class RetryPolicy:
         out = []
         if self.backoff not in BACKOFFS:
             out.append(f"backoff must be one of {', '.join(BACKOFFS)}, not {self.backoff!r}")
-        if not (math.isfinite(self.base_seconds) and self.base_seconds >= 0):
+        if not (_finite(self.base_seconds) and self.base_seconds >= 0):
             out.append("base_seconds must be a finite number >= 0")
-        if not (math.isfinite(self.max_delay_seconds) and 0 <= self.max_delay_seconds <= MAX_RETRY_DELAY_SECONDS):
+        if not (_finite(self.max_delay_seconds) and 0 <= self.max_delay_seconds <= MAX_RETRY_DELAY_SECONDS):
             out.append(f"max_delay_seconds must be between 0 and {MAX_RETRY_DELAY_SECONDS:g}")
-        if not 0 <= self.jitter <= 1:
+        if not (_finite(self.jitter) and 0 <= self.jitter <= 1):
             out.append("jitter must be between 0 and 1")
         return out
 

@@ -43,7 +43,7 @@ from worker_core import db, maintenance
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.completer import Completer
 from worker_core.context import JobContext
-from worker_core.execution import Abandoned, Execution, Slot, array_literal
+from worker_core.execution import Abandoned, Execution, Slot, UndecodablePayload, array_literal
 from worker_core.locks import LockBackend, lease_seconds, lock_backend
 from worker_core.logs import bound_logger, job_fields
 from worker_core.metrics import MetricsBuffer
@@ -65,8 +65,15 @@ PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
 
 def _loads_utf8(data: str | bytes) -> Any:
-    """The claimed payloads: JSON from the server is UTF-8, and json.loads of bytes guesses the encoding first."""
-    return json.loads(data if isinstance(data, str) else str(data, "utf-8"))
+    """The claimed payloads: JSON from the server is UTF-8, and json.loads of bytes guesses the encoding first.
+    One too deeply nested for Python to decode fails its own job (UndecodablePayload), never the claim: the
+    claim has committed, and an exception here would leave its whole batch running until the leases end."""
+    try:
+        return json.loads(data if isinstance(data, str) else str(data, "utf-8"))
+    except RecursionError:
+        return UndecodablePayload("nested too deeply")
+    except ValueError as e:  # a number too long for int(): Python's limit of 4300 digits
+        return UndecodablePayload(str(e))
 
 
 @dataclass
@@ -555,9 +562,10 @@ class Worker:
             try:
                 rows = self.claim(limit)
                 backoff = 0.0
-            except psycopg.Error as e:
+            except Exception as e:  # the worker lives on: a database error, or rows it could not read
                 backoff = min(max(backoff * 2, 0.2), 10.0)
-                self.log.warning("claim failed (%s); retrying in %.1fs", db.redact(str(e).strip(), self.dsn), backoff)
+                why = db.redact(str(e).strip(), self.dsn) if isinstance(e, psycopg.Error) else repr(e)
+                self.log.warning("claim failed (%s); retrying in %.1fs", why, backoff)
                 self._claim_conn = None
                 self._stopping.wait(backoff * random.uniform(0.8, 1.2))
                 continue
@@ -845,6 +853,7 @@ class Worker:
         return (
             self.config.group_max > 1
             and task is not None
+            and not isinstance(job["payload"], UndecodablePayload)
             and not task.is_async
             and not job["lock_key"]
             and not job["ran_solo"]

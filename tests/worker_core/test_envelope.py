@@ -60,6 +60,9 @@ BAD: list[tuple[str, Any, Any, dict[str, Any], str]] = [
     ("payload-nan", "t.ok", {"x": math.nan}, {}, "payload is not JSON-serialisable"),
     ("payload-inf", "t.ok", {"x": [math.inf]}, {}, "payload is not JSON-serialisable"),
     ("payload-too-deep", "t.ok", nested(5000), {}, "payload is not JSON-serialisable"),
+    ("payload-deep", "t.ok", nested(150), {}, "levels deep, over the limit of 100"),
+    # jsonb keeps numbers as numeric, which has no exponent: 7 bytes of "1e+308" come back as 309 digits
+    ("payload-stored-size", "t.ok", {"n": [1e308] * 900}, {}, f"as stored, over the limit of {MAX_PAYLOAD_BYTES}"),
     ("payload-int-key", "t.ok", {1: "a", "1": "b"}, {}, "payload keys must be strings"),
     ("payload-nested-key", "t.ok", {"a": [{None: 1}]}, {}, "payload keys must be strings"),
     ("payload-nul", "t.ok", {"x": "a\x00b"}, {}, "payload must not contain NUL"),
@@ -84,6 +87,12 @@ BAD: list[tuple[str, Any, Any, dict[str, Any], str]] = [
     ("delay-huge", "t.ok", {}, {"delay_seconds": 1e300}, "delay_seconds must be at most"),
     ("delay-and-scheduled", "t.ok", {}, {"delay_seconds": 5, "scheduled_at": T0}, "not both"),
     ("scheduled-naive", "t.ok", {}, {"scheduled_at": dt.datetime(2030, 1, 1)}, "timezone-aware"),
+    # stored as 1 BC and as year 10000: the claim committed, then could not read its own batch
+    ("scheduled-year-1", "t.ok", {}, {"scheduled_at": dt.datetime(1, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=5)))},
+     "scheduled_at must be between 1970-01-01 and 3000-01-01"),
+    ("scheduled-year-9999", "t.ok", {},
+     {"scheduled_at": dt.datetime(9999, 12, 31, 23, tzinfo=dt.timezone(dt.timedelta(hours=-5)))},
+     "scheduled_at must be between"),
     ("idem-iso-timestamp", "t.ok", {}, {"idempotency_key": "invoice:inv_1:2024-05-01T10:00:00"}, "timestamp"),
     ("idem-space-timestamp", "t.ok", {}, {"idempotency_key": "charge 2024-05-01 10:00"}, "timestamp"),
     ("idem-empty", "t.ok", {}, {"idempotency_key": "  "}, "idempotency_key must be a non-empty string"),
@@ -103,6 +112,8 @@ BAD: list[tuple[str, Any, Any, dict[str, Any], str]] = [
     ("retry-unknown", "t.ok", {}, {"retry_policy": {"tries": 3}}, "unknown retry policy fields: tries"),
     ("retry-inf", "t.ok", {}, {"retry_policy": {"max_delay_seconds": math.inf}}, "max_delay_seconds must be"),
     ("retry-jitter", "t.ok", {}, {"retry_policy": {"jitter": 2}}, "jitter must be between 0 and 1"),
+    ("retry-huge-int", "t.ok", {}, {"retry_policy": {"base_seconds": 10**400}}, "base_seconds must be a finite"),
+    ("timeout-huge-int", "t.ok", {}, {"timeout_seconds": 10**400}, "must be a finite number, not a huge integer"),
 ]
 
 

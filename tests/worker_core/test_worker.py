@@ -115,6 +115,24 @@ def test_base_exceptions_belong_to_their_job_and_the_worker_carries_on(conn: db.
     assert w.claimed_total == 10
 
 
+def test_a_payload_too_deep_to_decode_fails_its_job_not_the_worker(conn: db.Conn, dsn: str) -> None:
+    """Written by another producer than ours (ours refuses it): the claim decoded it with the stdlib's
+    recursive json.loads, raised RecursionError after its commit, and the worker died with its batch."""
+    good = [enqueue(conn, "t.ok", {"ledger": True, "item": str(i)}).id for i in range(3)]
+    deep = enqueue(conn, "t.ok", {}).id
+    conn.execute(
+        "UPDATE job_queue SET payload = ('{\"a\":' || repeat('[', 5000) || repeat(']', 5000) || '}')::jsonb"
+        " WHERE id = %s",
+        (deep,),
+    )
+    w = run_burst(dsn, concurrency=2)
+    row = conn.execute("SELECT state, attempts, last_error FROM job_queue WHERE id = %s", (deep,)).fetchone()
+    assert row == {"state": "failed", "attempts": 1,
+                   "last_error": "PermanentError: the payload cannot be decoded: nested too deeply"}  # fmt: skip
+    assert [state(dsn, j) for j in good] == ["succeeded"] * 3
+    assert w.claimed_total == 4
+
+
 def test_a_finished_burst_worker_leaves_no_thread_or_connection_behind(conn: db.Conn, dsn: str) -> None:
     enqueue(conn, "t.ok", {})
     w = run_burst(dsn)
