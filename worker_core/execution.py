@@ -37,7 +37,7 @@ from worker_core import db
 from worker_core.context import JobContext
 from worker_core.errors import JobTimeout, LeaseLost, PermanentError, classify
 from worker_core.fingerprint import fingerprint
-from worker_core.locks import lease_seconds, new_token
+from worker_core.locks import PostgresLocks, lease_seconds, new_token
 from worker_core.logs import job_fields
 from worker_core.metrics import MetricsBuffer
 from worker_core.registry import Task
@@ -980,10 +980,41 @@ class Slot:
             # no effect to commit with it: the completer settles it with others in one statement
             self._to_completer(ex)
             return
+        if ex.lock is not None and not self._lock_held_to_commit(ex):
+            raise HandlerFailure(Cancelled("lock_lost"))
         if conn.execute(queries["settle_succeeded"], self._fence(ex)).fetchone() is None:
             raise LeaseLost()
         conn.commit()
         self._succeeded(ex, idempotency_hit=False)
+
+    def _lock_held_to_commit(self, ex: Execution) -> bool:
+        """A job with a lock_key commits its effect only if it still holds the lock: its lease may have run out
+        and another job taken it since the last heartbeat (a stalled process). Extended in the job's own
+        transaction (the PostgreSQL backend), the lock's row stays locked until the commit: a job taking the
+        lock meanwhile waits for that commit, then finds the lease extended. A lock it cannot prove it holds
+        (the backend unreachable) counts as lost: the job is rolled back and runs again."""
+        assert ex.lock is not None
+        key, token = ex.lock
+        try:
+            held = self.w.locks.extend(self.conn, key, token, lease_seconds(ex.job["visibility_timeout_seconds"]))
+        except Exception as e:
+            ex.ctx.logger.warning("could not check lock %s before the commit: %s", key, db.redact(str(e), self.w.dsn))
+            return False
+        return held
+
+    async def _alock_held_to_commit(self, ex: Execution, aconn: db.AsyncConn) -> bool:
+        """_lock_held_to_commit for an async job: in its own transaction too, with the PostgreSQL backend."""
+        assert ex.lock is not None
+        key, token = ex.lock
+        ttl = lease_seconds(ex.job["visibility_timeout_seconds"])
+        try:
+            if isinstance(self.w.locks, PostgresLocks):
+                params = {"key": key, "token": token, "ttl": ttl, "now": self.w.clock.now()}
+                return await (await aconn.execute(queries["lock_extend"], params)).fetchone() is not None
+            return self.w.locks.extend(self.conn, key, token, ttl)
+        except Exception as e:
+            ex.ctx.logger.warning("could not check lock %s before the commit: %s", key, db.redact(str(e), self.w.dsn))
+            return False
 
     def _begin_handler(self, ex: Execution, grace_margin: float = 0.0) -> None:
         """From here the watchdog enforces the job's timeout (see Worker._watchdog_main)."""
@@ -1104,6 +1135,8 @@ class Slot:
                 # nothing to commit with it: the completer settles it with others, as for sync handlers
                 self._to_completer(ex)
                 return
+            if ex.lock is not None and not await self._alock_held_to_commit(ex, aconn):
+                raise HandlerFailure(Cancelled("lock_lost"))
             cur = await aconn.execute(queries["settle_succeeded"], self._fence(ex))
             if await cur.fetchone() is None:
                 raise LeaseLost()

@@ -493,11 +493,50 @@ def test_a_job_that_loses_its_lock_key_lease_while_it_runs_commits_nothing_and_r
     assert job(dsn, j)["attempts"] == 1  # given back, not failed
 
 
+def test_a_lock_lost_between_two_heartbeats_is_caught_at_the_commit(conn: db.Conn, dsn: str) -> None:
+    # no heartbeat in the job's 1.5 s: only the check in the job's transaction, before its commit, sees that
+    # another holder has the lock (a stalled process outlived its lease). Nothing commits without the lock.
+    j = enqueue(conn, "t.locked", {"seconds": 1.5}, lock_key="order:stolen").id
+    conn.commit()
+    with running_worker(dsn, heartbeat_interval=30, lock_contention_delay=0.2):
+        wait_for(lambda: scalar(dsn, "SELECT count(*) FROM resource_locks") == 1, 10, what="the lock to be taken")
+        stolen_at = scalar(
+            dsn,
+            "UPDATE resource_locks SET token = 'thief', expires_at = now() + interval '2.5 seconds'"
+            " WHERE lock_key = 'order:stolen' RETURNING now()",
+        )
+        wait_for(lambda: state(dsn, j) == "succeeded", 20, what="the job to run again and succeed")
+    rows = conn.execute("SELECT started FROM intervals WHERE job_id = %s", (j,)).fetchall()
+    assert len(rows) == 1 and rows[0]["started"] > stolen_at + dt.timedelta(seconds=2)  # after the thief's lease
+    assert job(dsn, j)["attempts"] == 1  # given back, not failed
+
+
+def test_an_async_job_that_lost_its_lock_commits_nothing_either(conn: db.Conn, dsn: str) -> None:
+    j = enqueue(conn, "t.async_ok", {"sleep": 1.5, "item": "a"}, lock_key="order:async").id
+    conn.commit()
+    with running_worker(dsn, heartbeat_interval=30, lock_contention_delay=0.2):
+        wait_for(lambda: scalar(dsn, "SELECT count(*) FROM resource_locks") == 1, 10, what="the lock to be taken")
+        conn.execute(
+            "UPDATE resource_locks SET token = 'thief', expires_at = now() + interval '2.5 seconds'"
+            " WHERE lock_key = 'order:async'"
+        )
+        conn.commit()
+        time.sleep(2.0)  # the handler is done (1.5 s), the thief holds the lock on
+        assert ledger(dsn) == [] and state(dsn, j) != "succeeded"
+        wait_for(lambda: state(dsn, j) == "succeeded", 20, what="the job to run again and succeed")
+    assert [r["item"] for r in ledger(dsn)] == ["a"]
+
+
 def test_a_lock_backend_that_fails_to_extend_a_lease_does_not_stop_the_heartbeat(
     conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    extend = PostgresLocks.extend
+    back_at = time.monotonic() + 2.5
+
     def unreachable(*args: Any) -> bool:
-        raise ConnectionError("lock backend unreachable")
+        if time.monotonic() < back_at:
+            raise ConnectionError("lock backend unreachable")
+        return extend(*args)
 
     monkeypatch.setattr(PostgresLocks, "extend", unreachable)
     j = enqueue(conn, "t.locked", {"seconds": 4}, lock_key="order:flaky").id
