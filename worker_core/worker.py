@@ -853,7 +853,7 @@ class Worker:
         return (
             self.config.group_max > 1
             and task is not None
-            and not isinstance(job["payload"], UndecodablePayload)
+            and not isinstance(job.get("payload"), UndecodablePayload)
             and not task.is_async
             and not job["lock_key"]
             and not job["ran_solo"]
