@@ -306,6 +306,7 @@ class Worker:
             "paused": self._paused,
             "limited_types": [t for t, scope, _ in self._limits if scope == "*"],
             "limited_pairs": [f"{t} {scope}" for t, scope, _ in self._limits if scope != "*"],
+            "limits": json.dumps([{"job_type": t, "scope": s, "max_running": n} for t, s, n in self._limits]),
         }
 
     def _conn_for_claims(self) -> db.Conn:

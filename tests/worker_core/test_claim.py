@@ -229,6 +229,27 @@ def test_kill_flag_and_expired_lease_end_cancelled(conn: db.Conn, claimers: Any)
     assert rescuer.metrics.totals[("default", "t.ok", "cancelled")] == 1
 
 
+def test_a_limit_of_zero_holds_expired_leases_and_suspects_too(conn: db.Conn, claimers: Any) -> None:
+    """`limit T 0` holds T in the solo lane too: an expired lease or a suspect of T is the job most likely
+    to crash processes, during the incident the hold contains. A kill still ends there."""
+    held = enqueue(conn, "t.ok", {}, clock=at(0), max_attempts=3, timeout_seconds=5, visibility_timeout_seconds=VIS).id
+    killed = enqueue(conn, "t.ok", {}, clock=at(0), timeout_seconds=5, visibility_timeout_seconds=VIS).id
+    claimers(clock=at(0)).claim(2)
+    ops.kill(conn, [killed], actor=ops.Actor("tester"))
+    ops.set_limit(conn, "t.ok", 0, reason="incident")
+    waiting = claimers(clock=at(VIS + 1))
+    assert waiting.claim(4) == []
+    assert row(conn, killed)["state"] == "cancelled"  # the kill's end is not held
+    assert waiting.claim(4) == []
+    r = row(conn, held)
+    assert (r["state"], r["attempts"], r["lease_expirations"]) == ("running", 1, 0)  # not reclaimed
+    solo_waiting = conn.execute(queries["solo_work_waiting"], waiting._claim_params(1)).fetchone()
+    assert solo_waiting == {"waiting": False}  # nor does it make the worker drain for it, beat after beat
+    ops.clear_limit(conn, "t.ok")
+    freed = claimers(clock=at(VIS + 2))
+    assert [(r["id"], r["ran_solo"]) for r in freed.claim(4)] == [(held, True)]
+
+
 FINISHED_OTHER_TYPES = """
 INSERT INTO job_queue (job_type, queue, payload, state, attempts, max_attempts, scheduled_at, finished_at)
 SELECT 'other.type' || (g %% 4), 'default', '{}', 'succeeded', 1, 5, now() - interval '1 day', now()

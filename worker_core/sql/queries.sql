@@ -77,6 +77,18 @@ UPDATE job_queue j SET
 WHERE j.id = ANY(ARRAY(SELECT id FROM ready))
 RETURNING {{claimed_columns}}, false AS reclaimed
 
+-- name: fragment_limit_full
+-- For the solo lane (claim_solo, solo_work_waiting), which has no advisory lock of its own: a job_queue row
+-- whose type has a concurrency limit with no room left, in its queue or in all of them ('*'). Counts the
+-- jobs running with a live lease (a reclaimed expired one does not add to them). `limits` is the worker's
+-- list of (job_type, scope, max_running) as JSON. Without it `limit T 0` did not hold T's suspects and
+-- expired leases: the very jobs that crash processes, during the incident the limit contains.
+SELECT 1 FROM jsonb_to_recordset(%(limits)s::jsonb) AS l(job_type text, scope text, max_running int)
+WHERE l.job_type = job_queue.job_type AND l.scope IN ('*', job_queue.queue)
+  AND (SELECT count(*) FROM job_queue r
+       WHERE r.state = 'running' AND r.locked_until >= %(now)s AND r.job_type = l.job_type
+         AND (l.scope = '*' OR r.queue = l.scope)) >= l.max_running
+
 -- name: claim_session
 -- The claim connection's settings: its statements are planned with each call's parameters (see
 -- Worker._conn_for_claims), but for the main claim (claim_run). The plans' row estimates come from the
@@ -113,6 +125,8 @@ WITH expired AS MATERIALIZED (
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
       AND queue <> ALL(%(paused)s::text[])
+      -- a limit holds what would run again, not the end of a killed job or a poison pill
+      AND (cancel_requested OR (ran_solo AND attempts >= max_attempts) OR NOT EXISTS ({{limit_full}}))
     ORDER BY locked_until
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -122,6 +136,7 @@ WITH expired AS MATERIALIZED (
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
       AND queue <> ALL(%(paused)s::text[])
+      AND NOT EXISTS ({{limit_full}})
       AND NOT EXISTS (SELECT 1 FROM expired)
     ORDER BY priority, scheduled_at, id
     LIMIT 1
@@ -234,11 +249,13 @@ SELECT EXISTS (
     WHERE state = 'running' AND locked_until < %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
       AND queue <> ALL(%(paused)s::text[])
+      AND (cancel_requested OR (ran_solo AND attempts >= max_attempts) OR NOT EXISTS ({{limit_full}}))
 ) OR EXISTS (
     SELECT 1 FROM job_queue
     WHERE suspect AND state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
       AND queue <> ALL(%(paused)s::text[])
+      AND NOT EXISTS ({{limit_full}})
 ) AS waiting;
 
 ------------------------------------------------------------------------------------------------------
