@@ -121,16 +121,21 @@ class Group:
     done: list[Execution] = field(default_factory=list)
     #: the group's metrics, added to the worker's in one call per type when it ends
     counts: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    #: each job's own values, for the observers (histograms observe one job's latency, not a group's sum)
+    samples: dict[tuple[str, str], list[dict[str, float]]] = field(default_factory=dict)
 
     def count(self, job: dict[str, Any], values: dict[str, float]) -> None:
-        row = self.counts.setdefault((job["queue"], job["job_type"]), {})
+        key = (job["queue"], job["job_type"])
+        row = self.counts.setdefault(key, {})
         for name, value in values.items():
             row[name] = row.get(name, 0) + value
+        self.samples.setdefault(key, []).append(values)
 
     def flush_counts(self, metrics: MetricsBuffer) -> None:
         counts, self.counts = self.counts, {}
+        samples, self.samples = self.samples, {}
         for (queue, job_type), values in counts.items():
-            metrics.add_many(queue, job_type, values)
+            metrics.add_many(queue, job_type, values, samples.get((queue, job_type)))
 
 
 class UndecodablePayload:

@@ -89,6 +89,24 @@ def test_worker_and_fleet_endpoints_match_the_database(dsn: str, conn: db.Conn) 
     assert ov["t.ok"].dedup_hits == 1 and ov["t.ledger"].idempotency_hits == 1
 
 
+def test_histograms_observe_each_job_of_a_group_not_the_groups_sum(dsn: str, conn: db.Conn) -> None:
+    """Jobs sharing a transaction: their counters go to the buffer summed per group, but a histogram that
+    observed the sum saw one huge latency instead of twelve small ones."""
+    from tests.worker_core.helpers import WorkerThread
+
+    enqueue_many(conn, [("t.ledger", {"item": f"i{i}"}, {"idempotency_key": f"g{i}"}) for i in range(12)])
+    port = free_port()
+    wt = WorkerThread(dsn, concurrency=1, prefetch=20, group_seconds=10.0, metrics_port=port)
+    wt.worker.observe_handler("t.ledger", 0.01)  # measured: handed out as one group
+    assert wt.start().join(60) == 0
+    w = scrape(port)
+    assert w[("qconsole_jobs_succeeded_total", labels("t.ledger"))] == 12
+    assert w[("qconsole_job_queue_latency_seconds_count", labels("t.ledger"))] == 12
+    assert w[("qconsole_job_duration_seconds_count", labels("t.ledger"))] == 12
+    # each job waited well under a second; a group's sum of twelve waits would land in a higher bucket
+    assert w[("qconsole_job_queue_latency_seconds_bucket", labels("t.ledger", le="5.0"))] == 12
+
+
 @pytest.fixture
 def json_logs() -> Iterator[io.StringIO]:
     stream = io.StringIO()
