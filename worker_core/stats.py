@@ -64,9 +64,12 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
     paused = {q["name"] for q in queue_rows if q["paused"]}
     type_limits = {(r["job_type"], r["queue"]): r["max_running"] for r in limit_rows}
     types = []
+    # the window holds its full minutes and the current one so far: a rate divides by that time, not by
+    # window_minutes (at 12:00:05, a steady 60/min read 56)
+    covered = window_minutes - 1 + (now - now.replace(second=0, microsecond=0)).total_seconds() / 60
+    per_min = 1.0 / max(covered, 1 / 60)
     for key in sorted(set(rows) | set(window)):
         r, w = rows.get(key, {}), window.get(key, {})
-        per_min = 1.0 / window_minutes
         types.append(
             TypeStats(
                 queue=key[0],

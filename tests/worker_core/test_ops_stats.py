@@ -71,16 +71,33 @@ def snapshot(conn: db.Conn) -> dict[str, Any]:
 # --------------------------------------------------------------------------- stats.overview
 
 
+def test_rates_divide_by_the_time_the_window_covers(conn: db.Conn) -> None:
+    """A steady 60 a minute read at 12:00:30: 14 full minutes and half of this one hold 870, which is 60 a
+    minute; divided by 15 minutes it read 58 (and near a threshold, a DLQ rate read low hides its warning)."""
+    now = dt.datetime(2030, 1, 1, 12, 0, 30, tzinfo=dt.timezone.utc)
+    rows = [(now.replace(second=0) - dt.timedelta(minutes=m), 60, 6) for m in range(1, 15)]
+    rows.append((now.replace(second=0), 30, 3))
+    for minute, ok, dead in rows:
+        conn.execute(
+            "INSERT INTO job_metrics_minute (minute, queue, job_type, succeeded, dead_lettered)"
+            " VALUES (%s, 'default', 't.ok', %s, %s)",
+            (minute, ok, dead),
+        )
+    t = {x.job_type: x for x in stats.overview(conn, clock=FixedClock(now)).types}["t.ok"]
+    assert t.throughput_per_min == pytest.approx(60.0) and t.dlq_per_min == pytest.approx(6.0)
+
+
 def test_overview_counts_lag_and_rates_on_a_known_workload(wconn: db.Conn) -> None:
     ov = stats.overview(wconn, clock=FixedClock(NOW))
     by = {(t.queue, t.job_type): t for t in ov.types}
     ok, perm, unk, exc = by[("default", "t.ok")], by[("default", "t.permanent")], by[("default", "t.unknown")], by[
         ("default", "t.base_exc")]  # fmt: skip
     assert (ok.succeeded, ok.waiting, ok.running, ok.failed, ok.dead_lettered) == (3, 0, 0, 0, 0)
-    assert ok.throughput_per_min == pytest.approx(3 / ov.window_minutes)
+    covered = ov.window_minutes - 1 + NOW.second / 60  # its full minutes, and the current one so far
+    assert ok.throughput_per_min == pytest.approx(3 / covered)
     assert (perm.failed, perm.succeeded, perm.retries) == (2, 0, 0)
     assert (unk.dead_lettered, unk.retries, unk.anomalies) == (3, 3, 6)  # 2 attempts each
-    assert unk.dlq_per_min == pytest.approx(3 / ov.window_minutes)
+    assert unk.dlq_per_min == pytest.approx(3 / covered)
     assert exc.dead_lettered == 3
     lag = by[("lagging", "t.ok")]
     assert (lag.queued, lag.oldest_waiting_seconds) == (2, 120.0)  # the job due in an hour is not lag
