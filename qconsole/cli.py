@@ -112,6 +112,7 @@ def guarded(fn: Callable[[], T]) -> T:
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_DURATION_SECONDS = 100 * 365 * 86400.0
 
 
 def parse_duration(text: str) -> float:
@@ -123,8 +124,8 @@ def parse_duration(text: str) -> float:
         value = float(number) * (unit or 1)
     except ValueError:
         raise typer.BadParameter(f"{text!r} is not a duration like 90s, 15m, 24h or 7d") from None
-    if value < 0:
-        raise typer.BadParameter("a duration must not be negative")
+    if not 0 <= value <= MAX_DURATION_SECONDS:  # False for nan
+        raise typer.BadParameter(f"{text!r}: a duration must be between 0 and 100 years")
     return value
 
 

@@ -18,6 +18,10 @@ HOUSEKEEPING_LOCK = 0x71632D686F757365
 ROLLUP_LAG = dt.timedelta(minutes=2)
 
 
+#: a longer retention would not fit a timestamp once subtracted from "now" (inf and nan are refused too)
+MAX_RETENTION_SECONDS = 100 * 365 * 86400.0
+
+
 @dataclass(frozen=True)
 class Retention:
     succeeded_seconds: float = 86400.0
@@ -25,6 +29,14 @@ class Retention:
     failed_seconds: float = 14 * 86400.0
     batch: int = 5000
     max_batches: int = 20
+
+    def __post_init__(self) -> None:
+        # refused here, at start, with a clear error: in housekeeping it raised in every round, and the
+        # round's other work (the rollup, the expired keys) was rolled back with it
+        for name in ("succeeded_seconds", "failed_seconds"):
+            value = getattr(self, name)
+            if not 0 <= value <= MAX_RETENTION_SECONDS:  # False for nan
+                raise ValueError(f"retention {name} must be between 0 and {MAX_RETENTION_SECONDS:g}, not {value!r}")
 
 
 @dataclass(frozen=True)

@@ -285,3 +285,17 @@ def test_the_audit_names_who_ran_sudo(cli: Any, conn: db.Conn, monkeypatch: pyte
     monkeypatch.setenv("SUDO_USER", "alice")
     cli("pause", "default")
     assert stats.audit_log(conn, 1)[0].os_user.startswith("alice (as ")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e8d", "-1h"])
+def test_a_retention_that_would_break_every_housekeeping_round_is_refused_at_start(cli: Any, value: str) -> None:
+    out = cli("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--retention-succeeded", value, code=2).output
+    assert "between 0 and 100 years" in out
+
+
+def test_retention_out_of_range_is_refused_by_the_library_too() -> None:
+    from worker_core.maintenance import Retention
+
+    for bad in (float("inf"), float("nan"), -1.0, 1e12):
+        with pytest.raises(ValueError, match="retention failed_seconds must be between"):
+            Retention(failed_seconds=bad)
