@@ -43,18 +43,25 @@ def resolve_dsn(dsn: str | None = None) -> str:
 
 
 _PASSWORD_IN_URL = re.compile(r"(://[^:/@]*:)[^@]*(@)")
+#: ``?password=...`` in a URL's query string, and ``password=...`` in a key=value DSN libpq cannot parse
+_PASSWORD_PARAM = re.compile(r"((?:^|[?&\s])password\s*=\s*)('(?:[^'\\]|\\.)*'|[^&\s]*)", re.IGNORECASE)
+
+
+def _mask(text: str) -> str:
+    return _PASSWORD_PARAM.sub(r"\1***", _PASSWORD_IN_URL.sub(r"\1***\2", text))
 
 
 def redact_dsn(dsn: str) -> str:
-    """The DSN without its password, safe for logs, errors and the console."""
+    """The DSN without its password (in the URL's user part or its query string), safe for logs, errors
+    and the console."""
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
-        return _PASSWORD_IN_URL.sub(r"\1***\2", dsn)
+        return _mask(dsn)
     if "password" in params:
         params["password"] = "***"
     if "://" in dsn:
-        return _PASSWORD_IN_URL.sub(r"\1***\2", dsn)
+        return _mask(dsn)
     return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
 
 

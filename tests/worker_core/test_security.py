@@ -21,6 +21,11 @@ def test_redaction_of_urls_and_keyword_dsns() -> None:
     kw = f"host=db.internal user=app password={SECRET} dbname=jobs"
     assert SECRET not in db.redact_dsn(kw) and "dbname=jobs" in db.redact_dsn(kw)
     assert db.redact(f"could not connect: password={SECRET}", kw) == "could not connect: password=***"
+    # libpq takes the password from a URL's query string too
+    for query in (f"postgresql://app@db.internal/jobs?password={SECRET}",
+                  f"postgresql://app@db.internal/jobs?sslmode=require&password={SECRET}&connect_timeout=2",
+                  f"postgresql://app@db.internal/jobs?password={SECRET}&%zz"):  # fmt: skip
+        assert SECRET not in db.redact_dsn(query) and "db.internal" in db.redact_dsn(query), db.redact_dsn(query)
 
 
 def test_a_worker_that_cannot_reach_its_database_never_logs_the_password(caplog: pytest.LogCaptureFixture) -> None:
