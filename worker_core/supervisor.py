@@ -31,7 +31,25 @@ def _child(config: WorkerConfig, log_format: str) -> None:
     from worker_core.logs import setup_logging
 
     setup_logging(log_format)
+    _stop_when_orphaned()
     raise SystemExit(run_worker(config))
+
+
+def _stop_when_orphaned() -> None:
+    """A worker whose supervisor died (SIGKILL, the OOM killer: nothing of it ran) stops as on the
+    supervisor's stop, gracefully: else it went on claiming, out of reach of the signals sent to the
+    service, and a restarted service started a second set beside it."""
+    import multiprocessing.connection
+
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os.kill(os.getpid(), SUPERVISOR_STOP)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
 
 class Supervisor:
@@ -116,6 +134,8 @@ class Supervisor:
                 self._recent_deaths = [t for t in self._recent_deaths if now - t < 30] + [now]
                 if len(self._recent_deaths) > 3 * self.processes:
                     self._stop.wait(min(5.0, 0.2 * len(self._recent_deaths)))
+                if self._stop.is_set():
+                    break  # stopped during the backoff: not restarted, only to be stopped at once
                 self.restarts += 1
                 self._start(slot)
             if self.config.burst and not self.children:

@@ -4,6 +4,7 @@ from the policy (injected clock), lock_key leases, kills, requeue, pause, gracef
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import signal
@@ -954,6 +955,26 @@ def test_ctrl_c_on_a_supervisor_gives_the_running_jobs_their_grace(
     else:  # released at once, its attempt given back
         assert (row["state"], row["attempts"]) == ("queued", 0)
         assert ledger(dsn) == []
+
+
+def test_workers_whose_supervisor_was_killed_stop_gracefully(conn: db.Conn, dsn: str, tmp_path: Path) -> None:
+    # SIGKILL (or the OOM killer) on the supervisor runs none of its code: its worker went on claiming,
+    # orphaned, out of reach of the signals sent to the service. It now stops as on the supervisor's stop:
+    # its running job finishes within the grace
+    slow = enqueue(conn, "t.slow", {"seconds": 2, "ledger": True}).id
+    proc = spawn_python(SUPERVISED, dsn, log=tmp_path / "supervisor.log", new_session=True)
+    try:
+        wait_for(lambda: state(dsn, slow) == "running", 30, what="the child to start the job")
+        child = scalar(dsn, "SELECT pid FROM workers WHERE stopped_at IS NULL")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        wait_for(lambda: scalar(dsn, "SELECT count(*) FROM workers WHERE stopped_at IS NULL") == 0, 30,
+                 what="the orphaned worker to stop")  # fmt: skip
+        wait_for(lambda: not os.path.exists(f"/proc/{child}"), 10, what="its process to end")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (job(dsn, slow)["state"], [r["job_id"] for r in ledger(dsn)]) == ("succeeded", [slow])
 
 
 SIGNAL_UNDER_LOCK = """
