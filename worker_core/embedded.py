@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -119,11 +120,25 @@ def _foreign_postmaster(pgdata: Path) -> bool:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return True
-        return not (proc.name().startswith("postgres") and any(str(pgdata) in a for a in proc.cmdline()))
+        return not (proc.name().startswith("postgres") and _serves(proc, pgdata))
     except (OSError, ValueError, psutil.NoSuchProcess, psutil.AccessDenied):
         # Missing file or dead pid: postgres handles that itself, and needs the file's shared-memory
         # key to refuse starting while orphaned backends remain. Unknown owner: leave it alone.
         return False
+
+
+def _serves(proc: psutil.Process, pgdata: Path) -> bool:
+    """Whether a postgres process is the postmaster of ``pgdata``: it runs in its data directory (or, where
+    its working directory cannot be read, names it with -D). Not a substring of its command line, which
+    took a server of /x/pgB-other for the one of /x/pgB and stopped it, or SIGTERMed a stranger."""
+    want = pgdata.resolve()
+    try:
+        return Path(proc.cwd()).resolve() == want
+    except psutil.AccessDenied:
+        args = proc.cmdline()
+        named = [b for a, b in itertools.pairwise(args) if a == "-D"]
+        named += [a[2:] for a in args if a.startswith("-D") and len(a) > 2]
+        return any(Path(d).resolve() == want for d in named)
 
 
 def _drop_foreign_postmaster_pid(pgdata: Path) -> None:

@@ -251,6 +251,29 @@ def test_dead_handle_pid_is_pruned(pgdata: Path) -> None:
     assert json.loads((pgdata / ".handle_pids.json").read_text()) == []
 
 
+def test_a_postgres_of_another_data_dir_is_not_taken_for_this_ones(
+    tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    """A process named postgres whose command line holds /x/pgB-other is not /x/pgB's postmaster: the
+    substring test took it for one, attached to it, and at exit SIGTERMed it."""
+    ours, other = tmp_path / "pgB", tmp_path / "pgB-other"
+    ours.mkdir()
+    other.mkdir()
+    fake = tmp_path / "postgres"
+    fake.symlink_to(sys.executable)
+    stranger = subprocess.Popen(
+        [str(fake), "-c", "import time; time.sleep(60)", "-D", str(other)], cwd=other, text=True
+    )
+    procs.append(stranger)
+    wait = time.monotonic() + TIMEOUT
+    while psutil.Process(stranger.pid).name() != "postgres" and time.monotonic() < wait:
+        time.sleep(0.05)
+    (ours / "postmaster.pid").write_text(f"{stranger.pid}\n{ours}\n")
+    assert embedded._foreign_postmaster(ours) is True
+    (other / "postmaster.pid").write_text(f"{stranger.pid}\n{other}\n")
+    assert embedded._foreign_postmaster(other) is False  # where it runs: that one's
+
+
 def test_orphan_from_sigkill_is_adopted_and_stopped(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
     proc = spawn(START_AND_EXIT + "time.sleep(60)\n", pgdata)
     procs.append(proc)
