@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +60,7 @@ class AttemptError:
     error_class: str
     message: str
     worker: str | None
-    at: dt.datetime
+    at: dt.datetime | None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> AttemptError:
@@ -70,8 +71,32 @@ class AttemptError:
             error_class=str(d.get("class", "")),
             message=str(d.get("message", "")),
             worker=d.get("worker"),
-            at=dt.datetime.fromisoformat(at) if isinstance(at, str) else at,  # type: ignore[arg-type]
+            at=parse_timestamp(at) if isinstance(at, str) else at,
         )
+
+
+_ISO = re.compile(r"^(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2})(?:\.(\d+))?(Z|[+-]\d{2}(?::?\d{2})?)?$")
+
+
+def parse_timestamp(text: str) -> dt.datetime | None:
+    """A time as PostgreSQL writes it into JSON (``jsonb_build_object('at', now())``): it trims the
+    fraction's trailing zeros (``...:25.1+00:00``) and writes ``+00`` without minutes, which Python 3.10's
+    fromisoformat refuses; one such error made every read of its job fail. Unreadable text: None."""
+    try:
+        return dt.datetime.fromisoformat(text)
+    except ValueError:
+        pass
+    m = _ISO.match(text.strip())
+    if not m:
+        return None
+    base, fraction, zone = m.groups()
+    zone = {None: "", "Z": "+00:00"}.get(zone, zone)
+    if zone and ":" not in zone:
+        zone = zone[:3] + ":" + (zone[3:] or "00")
+    try:
+        return dt.datetime.fromisoformat(base + ("." + (fraction + "000000")[:6] if fraction else "") + zone)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -398,3 +398,19 @@ def test_requeue_of_dead_jobs_sharing_a_dedup_key_requeues_one_and_skips_the_oth
     assert len(result.changed) == 2 and other in result.changed
     assert sorted(result.skipped) == sorted(i for i in ids if i not in result.changed)
     assert [stats.get_job(conn, i).state for i in ids].count(JobState.QUEUED) == 1
+
+
+def test_error_times_as_postgresql_writes_them_into_json_are_read_back(conn: db.Conn) -> None:
+    """kill_jobs and the lease-expiry claim write an error's time with jsonb_build_object: PostgreSQL trims
+    the fraction's trailing zeros (25.1+00:00), which Python 3.10's fromisoformat refused, and one such
+    error made every read of its job fail (the jobs list, `qconsole job`)."""
+    from worker_core.models import AttemptError, parse_timestamp
+
+    times = [dt.datetime(2030, 1, 1, 12, 0, 25, us, tzinfo=dt.timezone.utc) for us in (0, 100000, 120000, 123456)]
+    for t in times:
+        text = conn.execute("SELECT jsonb_build_object('at', %s::timestamptz)->>'at' AS at", (t,)).fetchone()
+        assert text is not None
+        assert parse_timestamp(text["at"]) == t, text["at"]
+        assert AttemptError.from_json({"attempt": 1, "at": text["at"]}).at == t
+    assert parse_timestamp("2030-01-01T12:00:25.1+00") == times[1]
+    assert parse_timestamp("not a time") is None
