@@ -186,7 +186,14 @@ class QConsoleApp(App[int]):
                 screen.set_filter(**filters)
             return
         self.pending_job_filter = filters
-        self.switch_mode("jobs")
+        self.call_next(self._open_job_list)
+
+    async def _open_job_list(self) -> None:
+        """To the jobs mode's list itself: a job detail left open on top of it would come back instead, the
+        filter waiting unused until Esc. Popping down to the list applies it (JobsScreen.on_screen_resume)."""
+        await self.switch_mode("jobs")
+        while len(self.screen_stack) > 1:
+            await self.pop_screen()
 
     def request_pause(self, queue: str, pause: bool) -> None:
         """Pause or resume a queue (with confirmation), from the command palette."""

@@ -480,6 +480,44 @@ def test_job_types_screen_shows_what_the_workers_registered(dsn: str) -> None:
             await pilot.press("enter")  # drill into its jobs
             await settle(pilot)
             assert isinstance(app.screen, JobsScreen)
+            assert app.screen.filter.job_type == "t.crash"
+
+    run_async(scenario())
+
+
+def test_drilling_into_jobs_shows_the_list_even_where_a_job_detail_was_left_open(dsn: str, conn: db.Conn) -> None:
+    """`j`, `enter` on a job, then `t` and `enter` on a type: the jobs mode came back with that old job's
+    detail on top, and the type's filter waited unused until Esc."""
+    from qconsole.screens.contracts import ContractsScreen
+    from qconsole.screens.jobs import JobsScreen
+    from qconsole.widgets.table import LiveTable
+
+    Worker(WorkerConfig(dsn=dsn, task_modules=(TASKS,), burst=True, poll_interval=0.05)).run()  # registers
+    ops.set_limit(conn, "t.crash", 0, reason="keep it queued", actor=ops.Actor("tester"))
+    from worker_core.producer import enqueue
+
+    enqueue(conn, "t.crash", {})
+    enqueue(conn, "t.ok", {}, queue="elsewhere", delay_seconds=3600)
+
+    async def scenario() -> None:
+        app = console(dsn)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("j")
+            await settle(pilot)
+            await pilot.press("enter")
+            await settle(pilot)
+            assert isinstance(app.screen, JobDetailScreen)
+            await pilot.press("t")
+            await settle(pilot)
+            assert isinstance(app.screen, ContractsScreen)
+            table = app.screen.query_one(LiveTable)
+            while table.cursor_key != "t.crash":
+                await pilot.press("down")
+            await pilot.press("enter")
+            await settle(pilot)
+            assert isinstance(app.screen, JobsScreen), app.screen
+            assert app.screen.filter.job_type == "t.crash"
 
     run_async(scenario())
 
