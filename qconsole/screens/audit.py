@@ -95,7 +95,8 @@ class AuditScreen(ConsoleScreen):
             return
         t = Text()
         t.append(f" #{e.id} {e.action}", style="bold")
-        t.append(f" by {e.os_user}" + (f" from {e.ssh_client}" if e.ssh_client else "") + f" at {fmt.stamp(e.at)}\n")
+        who = f" by {e.os_user}" + (f" from {e.ssh_client}" if e.ssh_client else "")
+        t.append(fmt.printable(who) + f" at {fmt.stamp(e.at)}\n")
         ids = ", ".join(fmt.short_id(i) for i in e.job_ids[:8]) + (" …" if len(e.job_ids) > 8 else "")
-        t.append(f" {target(e)}{': ' + ids if ids else ''} │ {detail(e) or 'no detail'}")
+        t.append(fmt.printable(f" {target(e)}{': ' + ids if ids else ''} │ {detail(e) or 'no detail'}"))
         out.update(t)

@@ -112,7 +112,7 @@ class ContractsScreen(ConsoleScreen):
         t = Text(no_wrap=False)
         t.append(f" {c.job_type}", style="bold")
         t.append(f" @ {c.queue}" + (" │ idempotency key required" if c.requires_idempotency_key else ""))
-        t.append(f" │ why: {c.reason}\n" if c.reason else " │ deployment defaults\n")
+        t.append(fmt.printable(f" │ why: {c.reason}") + "\n" if c.reason else " │ deployment defaults\n")
         overrides = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
                      for k, (v, s) in sorted(c.fields.items()) if not s.startswith("default")]  # fmt: skip
         t.append(" overrides: " + (", ".join(overrides) or "none"))

@@ -195,6 +195,8 @@ class JobDetailScreen(ConsoleScreen):
             "kill",
             f"Kill job {fmt.short_id(job.id)} ({job.job_type})?",
             f"Touches 1 job: {job.state.value} -> cancelled ({how}). Never retried." if ok
+            else "a kill is already requested: its worker stops it within a heartbeat." if job.cancel_requested
+            and job.state in KILLABLE_STATES
             else f"it is {job.state.value}; only waiting or running jobs can be killed.",
             lambda b: b.kill([job.id]),
             lambda r: f"Killed {r.count} job(s)." + (" It changed state meanwhile: skipped." if r.skipped else ""),

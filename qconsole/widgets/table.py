@@ -59,14 +59,20 @@ class LiveTable(DataTable[Any]):
         return None if row_key.value is None else str(row_key.value)
 
     def set_rows(self, rows: Iterable[tuple[str, Sequence[Any]]]) -> None:
+        """Replace the rows; the cursor stays on its row's key, or, where that row is gone (another operator
+        acted on it), at the same place: not at the top, where the next ``enter`` would open a row nobody
+        was looking at."""
         keep = self.cursor_key
+        old_index = self.cursor_row
         scroll_y = self.scroll_y
         self.clear()
-        index = 0
+        index = None
         for i, (key, cells) in enumerate(rows):
             self.add_row(*cells, key=key)
             if key == keep:
                 index = i
+        if index is None:
+            index = min(max(old_index, 0), max(self.row_count - 1, 0))
         if self.row_count:
             self.move_cursor(row=index, animate=False, scroll=False)
             self.scroll_to(y=scroll_y, animate=False)

@@ -485,6 +485,57 @@ def test_job_types_screen_shows_what_the_workers_registered(dsn: str) -> None:
     run_async(scenario())
 
 
+def test_an_audit_reason_reaches_the_screen_without_its_escape_sequences(dsn: str, conn: db.Conn) -> None:
+    from textual.widgets import Static
+
+    from qconsole.screens.audit import AuditScreen
+
+    ops.pause(conn, "default", actor=ops.Actor("tester"), reason="INC\x1b]0;pwned\x07-7 \x1b[2J")
+
+    async def scenario() -> None:
+        app = console(dsn)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("a")
+            await settle(pilot)
+            assert isinstance(app.screen, AuditScreen)
+            shown = str(app.screen.query_one("#audit-detail", Static).content)
+            assert "INC-7" in shown and "\x1b" not in shown and "pwned" not in shown
+
+    run_async(scenario())
+
+
+def test_the_cursor_stays_in_place_when_its_row_disappears(dsn: str, conn: db.Conn) -> None:
+    """Another operator acts on the job under the cursor: it jumped to the top row, where the next `enter`
+    opened a job nobody was looking at."""
+    from qconsole.screens.jobs import JobsScreen
+    from qconsole.widgets.table import LiveTable
+    from worker_core.producer import enqueue
+
+    for i in range(6):
+        enqueue(conn, "t.ok", {"n": i}, delay_seconds=3600)
+
+    async def scenario() -> None:
+        app = console(dsn)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("j")
+            await settle(pilot)
+            assert isinstance(app.screen, JobsScreen)
+            table = app.screen.query_one(LiveTable)
+            for _ in range(3):
+                await pilot.press("down")
+            gone = table.cursor_key
+            assert table.cursor_row == 3 and gone is not None
+            conn.execute("DELETE FROM job_queue WHERE id = %s", (gone,))
+            app.screen.reload()
+            await settle(pilot)
+            assert table.row_count == 5 and table.cursor_key != gone
+            assert table.cursor_row == 3  # where it was, on the next row
+
+    run_async(scenario())
+
+
 def test_drilling_into_jobs_shows_the_list_even_where_a_job_detail_was_left_open(dsn: str, conn: db.Conn) -> None:
     """`j`, `enter` on a job, then `t` and `enter` on a type: the jobs mode came back with that old job's
     detail on top, and the type's filter waited unused until Esc."""
