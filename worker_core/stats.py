@@ -206,8 +206,8 @@ def list_jobs(
     search: str | None = None,
     limit: int = 100,
 ) -> list[Job]:
-    """Jobs by filter, newest activity first. ``search`` matches an id prefix, idempotency or dedup key,
-    or the error text. Every value is a bound parameter."""
+    """Jobs by filter, newest activity first. ``search`` matches an id prefix, idempotency, dedup or lock
+    key, or the error text (see _search_query for how far each looks). Every value is a bound parameter."""
     query, params = list_jobs_query(state=state, job_type=job_type, queue=queue, search=search, limit=limit)
     return [Job.from_row(r) for r in conn.execute(query, params)]
 
@@ -235,17 +235,7 @@ def list_jobs_query(
         params["queue"] = queue
         where.append(sql.SQL("queue = %(queue)s"))
     if search:
-        params["search"] = search
-        # LIKE metacharacters in the search are literal, in the id prefix as in the error text
-        escaped = search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        params["prefix"] = escaped + "%"
-        params["like"] = "%" + escaped + "%"
-        where.append(
-            sql.SQL(
-                "(id::text LIKE %(prefix)s OR idempotency_key = %(search)s OR dedup_key = %(search)s"
-                " OR lock_key = %(search)s OR last_error ILIKE %(like)s)"
-            )
-        )
+        return _search_query(search, where, params, state)
     branches = []
     for states, condition, order in _ACTIVITY_SOURCES:
         if state and JobState(state) not in states:
@@ -259,6 +249,66 @@ def list_jobs_query(
         )
     query = sql.SQL("SELECT {cols} FROM ({branches}) AS j ORDER BY updated_at DESC, id LIMIT %(limit)s").format(
         cols=_JOB_COLUMNS, branches=sql.SQL(" UNION ALL ").join(branches)
+    )
+    return query, params
+
+
+#: a search's key and error-text matches look at this many of the newest jobs of each kind (waiting,
+#: running, finished), through their indexes: a scan of every finished row (millions) for a text no index
+#: holds timed out, and the table went on showing unfiltered rows. Ids and idempotency keys, which have an
+#: index, are found among all jobs.
+SEARCH_SCAN_ROWS = 50_000
+_UUID_TEMPLATE = "xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+
+
+def id_prefix_range(search: str) -> tuple[uuid.UUID, uuid.UUID] | None:
+    """The ids a prefix of a job id's text covers, as a range of the primary key; None if ``search`` is not
+    such a prefix. ``"1a2b"`` covers 1a2b0000-0000-... to 1a2bffff-ffff-..."""
+    text = search.strip().lower()
+    if not text or len(text) > len(_UUID_TEMPLATE):
+        return None
+    for char, slot in zip(text, _UUID_TEMPLATE, strict=False):
+        if (slot == "-") != (char == "-") or (slot != "-" and char not in "0123456789abcdef"):
+            return None
+    digits = text.replace("-", "")
+    return uuid.UUID(digits.ljust(32, "0")), uuid.UUID(digits.ljust(32, "f"))
+
+
+def _search_query(
+    search: str, where: list[sql.Composable], params: dict[str, Any], state: str | JobState | None
+) -> tuple[sql.Composed, dict[str, Any]]:
+    """list_jobs with ``search``: an id prefix (a range of the primary key), an idempotency key (its index),
+    or a dedup key, lock key or error text among the newest SEARCH_SCAN_ROWS jobs of each kind."""
+    params["search"] = search
+    # LIKE metacharacters in the search are literal
+    escaped = search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    params["like"] = "%" + escaped + "%"
+    params["scan"] = SEARCH_SCAN_ROWS
+    filters = [*where] or [sql.SQL("true")]
+    arms = []
+
+    def arm(condition: str, inner: sql.Composable | None = None) -> sql.Composed:
+        text = "(SELECT {cols} FROM {source} WHERE {where} ORDER BY updated_at DESC, id LIMIT %(limit)s)"
+        return sql.SQL(text).format(
+            cols=_JOB_COLUMNS,
+            source=inner or sql.SQL("job_queue"),
+            where=sql.SQL(" AND ").join([sql.SQL(condition), *filters]),
+        )
+
+    found = id_prefix_range(search)
+    if found is not None:
+        params["id_low"], params["id_high"] = found
+        arms.append(arm("id BETWEEN %(id_low)s AND %(id_high)s"))
+    arms.append(arm("idempotency_key = %(search)s"))
+    for states, condition, order in _ACTIVITY_SOURCES:
+        if state and JobState(state) not in states:
+            continue
+        newest = sql.SQL("(SELECT * FROM job_queue WHERE {cond} ORDER BY {order} LIMIT %(scan)s) AS newest").format(
+            cond=sql.SQL(" AND ").join([sql.SQL(condition), *filters]), order=sql.SQL(order)
+        )
+        arms.append(arm("(dedup_key = %(search)s OR lock_key = %(search)s OR last_error ILIKE %(like)s)", newest))
+    query = sql.SQL("SELECT {cols} FROM ({arms}) AS j ORDER BY updated_at DESC, id LIMIT %(limit)s").format(
+        cols=_JOB_COLUMNS, arms=sql.SQL(" UNION ").join(arms)
     )
     return query, params
 

@@ -239,6 +239,44 @@ def test_list_jobs_search(wconn: db.Conn, workload: dict[str, Any]) -> None:
     assert found("no such thing anywhere") == set()
 
 
+def rows_read(conn: db.Conn, query: sql.Composable, params: dict[str, Any]) -> int:
+    """The job_queue rows a statement read (returned or filtered out), from EXPLAIN ANALYZE."""
+    plan = conn.execute(sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + query, params).fetchone()
+    assert plan is not None
+    total, stack = 0, [plan["QUERY PLAN"][0]["Plan"]]
+    while stack:
+        node = stack.pop()
+        if node.get("Relation Name") == "job_queue":
+            loops = node.get("Actual Loops", 1)
+            total += (node.get("Actual Rows", 0) + node.get("Rows Removed by Filter", 0)) * loops
+        stack.extend(node.get("Plans", []))
+    return int(total)
+
+
+def test_a_search_reads_indexes_never_every_finished_row(conn: db.Conn, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With millions of finished jobs, `id::text LIKE` and an error-text ILIKE over all of them timed out
+    (3 s at 6M rows), and the jobs screen went on showing unfiltered rows. An id (or a prefix of one) is a
+    range of the primary key, an idempotency key its index, and the other keys and the error text are
+    looked for among the newest jobs of each kind only."""
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error) "
+        "SELECT 't.ok', 'default', '{}', 'succeeded', now() - g * interval '1 second', 'boom ' || g"
+        " FROM generate_series(1, 60000) AS g"
+    )
+    conn.execute("ANALYZE job_queue")
+    oldest = conn.execute("SELECT id FROM job_queue ORDER BY finished_at LIMIT 1").fetchone()
+    assert oldest is not None
+    monkeypatch.setattr(stats, "SEARCH_SCAN_ROWS", 1000)
+    for text in (str(oldest["id"]), str(oldest["id"])[:8], "boom 17", "some-key"):
+        query, params = stats.list_jobs_query(search=text)
+        assert rows_read(conn, query, params) < 5000, text  # not the 60,000
+    # the oldest of 60,000 finished jobs: beyond the newest 1,000 of them, its id still finds it
+    assert [j.id for j in stats.list_jobs(conn, search=str(oldest["id"]))] == [oldest["id"]]
+    assert oldest["id"] in {j.id for j in stats.list_jobs(conn, search=str(oldest["id"])[:8])}
+    errors = [j.last_error or "" for j in stats.list_jobs(conn, search="boom 17", limit=3)]
+    assert len(errors) == 3 and all(e.startswith("boom 17") for e in errors)
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
