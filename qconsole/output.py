@@ -166,7 +166,8 @@ def action(result: ActionResult, queue: str | None = None) -> None:
         return
     console.print(f"{result.action}: {result.count} of {result.requested} job(s) changed (audit #{result.audit_id})")
     for jid in result.skipped:
-        console.print(f"  skipped {jid}: not in a state that allows {result.action}")
+        why = result.why_skipped.get(jid, f"not in a state that allows {result.action}")
+        console.print(Text(f"  skipped {jid}: {why}"))
 
 
 def policies(contracts: list[TypeContract], as_json: bool, source: str, queues: dict[str, Any]) -> None:

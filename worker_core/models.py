@@ -294,10 +294,23 @@ class ActionResult:
     changed: list[uuid.UUID]
     skipped: list[uuid.UUID]
     audit_id: int | None = None
+    #: why each skipped job was skipped, where the action can tell (``it is running``, a dedup key held)
+    why_skipped: dict[uuid.UUID, str] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
         return len(self.changed)
+
+    def skipped_summary(self) -> str:
+        """``2 skipped: it is running (1); a live job holds its dedup key (1)``, or the plain count."""
+        if not self.skipped:
+            return ""
+        reasons: dict[str, int] = {}
+        for jid in self.skipped:
+            why = self.why_skipped.get(jid, "it changed state meanwhile")
+            reasons[why] = reasons.get(why, 0) + 1
+        listed = "; ".join(f"{why} ({n})" if len(self.skipped) > 1 else why for why, n in reasons.items())
+        return f"{len(self.skipped)} skipped: {listed}"
 
 
 @dataclass(frozen=True)

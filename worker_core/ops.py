@@ -159,7 +159,27 @@ def requeue(
         audit_id = _audit(conn, now, actor, "requeue", job_ids=changed, reason=reason, detail=detail)
         for q in sorted({r["queue"] for r in rows}):
             conn.execute(queries["notify_queue"], {"queue": q})
-    return ActionResult("requeue", len(ids), changed, [i for i in ids if i not in set(changed)], audit_id)
+        skipped = [i for i in ids if i not in set(changed)]
+        why = _why_not_requeued(conn, skipped)
+    return ActionResult("requeue", len(ids), changed, skipped, audit_id, why)
+
+
+def _why_not_requeued(conn: Conn, skipped: list[uuid.UUID]) -> dict[uuid.UUID, str]:
+    """A skipped requeue's reason, said to the operator: a job not dead (someone acted first), or one whose
+    dedup key a live job holds (a later run of the same periodic job, say), is not "changed meanwhile"."""
+    if not skipped:
+        return {}
+    rows = {r["id"]: r for r in conn.execute(queries["jobs_state_and_dedup"], {"ids": skipped})}
+    out = {}
+    for jid in skipped:
+        row = rows.get(jid)
+        if row is None:
+            out[jid] = "no such job"
+        elif row["state"] in ("dead_lettered", "failed", "cancelled") and row["dedup_key"] is not None:
+            out[jid] = "a live job (or a newer requeued one) holds its dedup key"
+        else:
+            out[jid] = f"it is {row['state']}"
+    return out
 
 
 def kill(

@@ -207,8 +207,7 @@ class DeadLettersScreen(ConsoleScreen):
             details,
             run,
             lambda r: (
-                f"{PAST[name]} {r.count} job(s)."
-                + (f" {len(r.skipped)} skipped: they changed state meanwhile." if r.skipped else "")
+                f"{PAST[name]} {r.count} job(s)." + (f" {r.skipped_summary()}." if r.skipped else "")
             ),
             touches=len(ids),
         )

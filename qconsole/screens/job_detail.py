@@ -181,7 +181,7 @@ class JobDetailScreen(ConsoleScreen):
             f"Touches 1 job: {job.state.value} -> queued with 1 fresh attempt." if ok
             else f"it is {job.state.value}; only dead-lettered, failed or cancelled jobs can be requeued.",
             lambda b: b.requeue([job.id]),
-            lambda r: f"Requeued {r.count} job(s)." + (" It changed state meanwhile: skipped." if r.skipped else ""),
+            lambda r: f"Requeued {r.count} job(s)." + (f" {r.skipped_summary()}." if r.skipped else ""),
             touches=1 if ok else 0,
         )  # fmt: skip
 

@@ -436,6 +436,11 @@ def test_requeue_of_dead_jobs_sharing_a_dedup_key_requeues_one_and_skips_the_oth
     assert len(result.changed) == 2 and other in result.changed
     assert sorted(result.skipped) == sorted(i for i in ids if i not in result.changed)
     assert [stats.get_job(conn, i).state for i in ids].count(JobState.QUEUED) == 1
+    # said as it is, not as "changed state meanwhile" (the operator would think someone else acted)
+    assert set(result.why_skipped.values()) == {"a live job (or a newer requeued one) holds its dedup key"}
+    assert result.skipped_summary() == "2 skipped: a live job (or a newer requeued one) holds its dedup key (2)"
+    again = ops.requeue(conn, [other], actor=ops.Actor("test"))
+    assert again.why_skipped == {other: "it is queued"} and again.skipped_summary() == "1 skipped: it is queued"
 
 
 def test_error_times_as_postgresql_writes_them_into_json_are_read_back(conn: db.Conn) -> None:

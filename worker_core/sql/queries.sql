@@ -636,6 +636,9 @@ WHERE j.id = old.id AND j.state IN ('dead_lettered', 'failed', 'cancelled') AND 
         WHERE l.dedup_key = j.dedup_key AND l.state IN ('queued', 'running', 'retry_scheduled')))
 RETURNING j.id, j.queue, j.max_attempts - j.attempts AS budget, old.payload AS old_payload;
 
+-- name: jobs_state_and_dedup
+SELECT id, state, dedup_key FROM job_queue WHERE id = ANY(%(ids)s);
+
 -- name: kill_jobs
 -- Waiting jobs are cancelled now; a running job is flagged, and its worker cancels it within a heartbeat.
 -- One statement for both: a job moving between waiting and running while the operator kills it (a worker
