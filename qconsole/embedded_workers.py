@@ -195,10 +195,17 @@ class EmbeddedWorkers:
             w.restart = False
             self._notify(w, False)
             return
-        w.proc, w.pid, w.exit_code, w.stopping = proc, proc.pid, None, False
-        w.started_at = dt.datetime.now(dt.timezone.utc)
-        w.spawned_at = time.monotonic()
+        with self._lock:
+            w.proc, w.pid, w.exit_code = proc, proc.pid, None
+            w.started_at = dt.datetime.now(dt.timezone.utc)
+            w.spawned_at = time.monotonic()
+            # a stop (x, or the console quitting) that came while it was being started, on a restart: the
+            # new process is stopped at once, never left running with its stop forgotten
+            unwanted = w.stopping or self._closed
         threading.Thread(target=self._read, args=(w, proc), name=f"embedded-worker-{w.number}", daemon=True).start()
+        if unwanted:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
 
     # ---------------------------------------------------------------- watching
 

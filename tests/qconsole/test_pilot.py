@@ -610,3 +610,21 @@ def test_embedded_workers_stop_when_their_console_is_killed(dsn: str, conn: db.C
             proc.kill()
     [row] = [w for w in stats.workers(conn) if w.pid == worker_pid]
     assert row.stopped_at is not None  # a graceful stop
+
+
+def test_a_worker_stopped_while_it_was_being_restarted_stays_stopped(dsn: str, tmp_path: Path) -> None:
+    # `x` landing between the restart's last check and its new process: the new process forgot the stop
+    # (it was reset as the process started) and ran on
+    launcher = EmbeddedWorkers(dsn, log_dir=tmp_path, shutdown_grace=1.0,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    try:
+        w = launcher.start([TASKS])
+        first = w.proc
+        assert first is not None
+        w.stopping = True  # the stop, as `x` sets it, just before the restart's Popen
+        launcher._spawn(w)
+        assert w.proc is not first and w.proc is not None
+        w.proc.wait(30)  # stopped at once, gracefully
+        assert w.stopping
+    finally:
+        launcher.stop_all()
