@@ -306,7 +306,8 @@ def build_envelope(
     policy = d.retry_policy
     raw_policy = fields.get("retry_policy")
     if isinstance(raw_policy, RetryPolicy):
-        policy = raw_policy
+        # the fields it names, over the type's: RetryPolicy(base_seconds=5) keeps the type's backoff
+        policy = RetryPolicy(**{**d.retry_policy.to_json(), **raw_policy.overrides()})
     elif raw_policy is not None:
         try:
             policy = RetryPolicy.from_json(

@@ -75,7 +75,7 @@ class AttemptError:
         )
 
 
-_ISO = re.compile(r"^(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2})(?:\.(\d+))?(Z|[+-]\d{2}(?::?\d{2})?)?$")
+_ISO = re.compile(r"^(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2})(?:\.(\d+))?(Z|[+-]\d{2}(?::?\d{2}){0,2})?$")
 
 
 def parse_timestamp(text: str) -> dt.datetime | None:
@@ -91,8 +91,11 @@ def parse_timestamp(text: str) -> dt.datetime | None:
         return None
     base, fraction, zone = m.groups()
     zone = {None: "", "Z": "+00:00"}.get(zone, zone)
-    if zone and ":" not in zone:
-        zone = zone[:3] + ":" + (zone[3:] or "00")
+    if zone:  # +05, +0553, +05:53:28 (a historical local mean time) -> +HH:MM[:SS]
+        digits = zone[1:].replace(":", "")
+        zone = zone[0] + ":".join(digits[i : i + 2] for i in range(0, len(digits), 2))
+        if len(digits) == 2:
+            zone += ":00"
     try:
         return dt.datetime.fromisoformat(base + ("." + (fraction + "000000")[:6] if fraction else "") + zone)
     except ValueError:

@@ -16,7 +16,14 @@ from psycopg.pq import TransactionStatus
 from worker_core import policy
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
-from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, Envelope, TypeDefaults, build_envelope
+from worker_core.envelope import (
+    DEFAULT_QUEUE,
+    DEFAULT_VISIBILITY_MARGIN_SECONDS,
+    JOB_TYPE_RE,
+    Envelope,
+    TypeDefaults,
+    build_envelope,
+)
 from worker_core.models import EnqueueResult
 from worker_core.registry import Registry
 from worker_core.registry import registry as default_registry
@@ -111,6 +118,11 @@ def _registered_from_contract(row: Mapping[str, Any]) -> Registered:
     )  # fmt: skip
     layer_name = f"type:{row['job_type']}"
     overrides = {k: v["value"] for k, v in row["contract"].items() if v.get("source") == layer_name}
+    derived = overrides.get("timeout_seconds", -1.0) + DEFAULT_VISIBILITY_MARGIN_SECONDS
+    if overrides.get("visibility_timeout_seconds") == derived:
+        # derived from the type's timeout (the contract names the timeout's source for it), not set by the
+        # type: in another queue, that queue's own visibility timeout applies (as it does for a local @task)
+        del overrides["visibility_timeout_seconds"]
     return Registered(own, policy.Layer(layer_name, overrides, "registered") if overrides else None)
 
 

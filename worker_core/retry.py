@@ -41,7 +41,7 @@ class RetryPolicy:
     max_delay_seconds: float = BUILTIN["max_delay_seconds"]
     jitter: float = BUILTIN["jitter"]
     #: the fields given explicitly; the others hold the built-in values. Not part of equality.
-    given: frozenset[str] = field(default=frozenset(), init=False, compare=False, repr=False)
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __init__(
         self,
@@ -49,12 +49,20 @@ class RetryPolicy:
         base_seconds: float = _UNSET,
         max_delay_seconds: float = _UNSET,
         jitter: float = _UNSET,
+        *,
+        given: frozenset[str] | None = None,
     ) -> None:
         values = {"backoff": backoff, "base_seconds": base_seconds, "max_delay_seconds": max_delay_seconds,
                   "jitter": jitter}  # fmt: skip
         for name, value in values.items():
             object.__setattr__(self, name, BUILTIN[name] if value is _UNSET else value)
-        object.__setattr__(self, "given", frozenset(n for n, v in values.items() if v is not _UNSET))
+        if given is None:
+            named = frozenset(n for n, v in values.items() if v is not _UNSET)
+        else:
+            # dataclasses.replace(policy, jitter=0.1) passes every field, and ``given`` as it was: a field
+            # counts as given if it was, or if it now differs from the built-in value (it was changed)
+            named = frozenset(given) | {n for n, v in values.items() if v is not _UNSET and v != BUILTIN[n]}
+        object.__setattr__(self, "given", frozenset(named))
         problems = self.problems()
         if problems:
             raise ValueError("invalid retry policy: " + "; ".join(problems))

@@ -389,11 +389,11 @@ class Worker:
             if not rows or all(r["state"] != "running" for r in rows):
                 rows += self._claim_ready(conn, limit)
                 rows += self._claim_limited(conn, limit - len(rows))
-        except psycopg.Error as e:
+        except Exception as e:  # not only a database error: rows already claimed must run all the same
             if not rows:
                 raise
-            self.log.warning("claim failed (%s); running the %s jobs claimed before", db.redact(str(e).strip(),
-                             self.dsn), len(rows))  # fmt: skip
+            why = db.redact(str(e).strip(), self.dsn) if isinstance(e, psycopg.Error) else repr(e)
+            self.log.warning("claim failed (%s); running the %s jobs claimed before", why, len(rows))
             self._claim_conn = None
             self._close_quietly(conn)
         running = []
@@ -434,11 +434,13 @@ class Worker:
             scopes = by_type[job_type]
             type_max = scopes.get("*")
             order = (["*"] if type_max is not None else []) + sorted(s for s in scopes if s != "*")
+            # the scopes take turns to claim first (claim after claim): the type-wide room would otherwise
+            # always go to the first of them with a backlog, and the others starve under the '*' cap
+            turn = self._limit_turn % len(order)
             with conn.transaction():
                 for scope in order:
                     conn.execute(queries["limit_lock"], {"job_type": job_type, "scope": scope})
-                # the queues with a limit of their own first, then (within the room left) the others
-                for scope in order[1:] + order[:1] if type_max is not None else order:
+                for scope in order[turn:] + order[:turn]:
                     if free - len(rows) <= 0:
                         break
                     params = {**self._claim_params(free - len(rows)), "job_type": job_type, "scope": scope}

@@ -182,7 +182,7 @@ class JobsScreen(ConsoleScreen):
                     ],
                 )
             )
-        self.query_one(LiveTable).set_rows(rows)
+        self.query_one(LiveTable).set_rows(rows, shows=f)
         status = Text(no_wrap=True, overflow="ellipsis")
         more = f" (first {LIMIT})" if len(jobs) >= LIMIT else ""
         status.append(f" {len(jobs)} job(s){more}", style="bold")

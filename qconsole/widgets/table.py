@@ -43,6 +43,8 @@ class LiveTable(DataTable[Any]):
         kwargs.setdefault("cell_padding", 0)
         super().__init__(**kwargs)
         self._column_spec = list(columns)
+        #: what the rows show (set_rows)
+        self._shows: Any = None
 
     def on_mount(self) -> None:
         for key, label, width in self._column_spec:
@@ -58,13 +60,16 @@ class LiveTable(DataTable[Any]):
             return None
         return None if row_key.value is None else str(row_key.value)
 
-    def set_rows(self, rows: Iterable[tuple[str, Sequence[Any]]]) -> None:
+    def set_rows(self, rows: Iterable[tuple[str, Sequence[Any]]], shows: Any = None) -> None:
         """Replace the rows; the cursor stays on its row's key, or, where that row is gone (another operator
         acted on it), at the same place: not at the top, where the next ``enter`` would open a row nobody
-        was looking at."""
-        keep = self.cursor_key
-        old_index = self.cursor_row
-        scroll_y = self.scroll_y
+        was looking at. ``shows`` says what the rows are (a filter): when it changes, the list is another
+        one, and the cursor goes to its top, not to the place it had in the old one."""
+        same_list = shows == self._shows
+        self._shows = shows
+        keep = self.cursor_key if same_list else None
+        old_index = self.cursor_row if same_list else 0
+        scroll_y = self.scroll_y if same_list else 0
         self.clear()
         index = None
         for i, (key, cells) in enumerate(rows):

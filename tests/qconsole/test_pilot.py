@@ -532,6 +532,9 @@ def test_the_cursor_stays_in_place_when_its_row_disappears(dsn: str, conn: db.Co
             await settle(pilot)
             assert table.row_count == 5 and table.cursor_key != gone
             assert table.cursor_row == 3  # where it was, on the next row
+            app.screen.set_filter(job_type="t.ok")  # another list: its top, not row 3 of it
+            await settle(pilot)
+            assert table.row_count == 5 and table.cursor_row == 0
 
     run_async(scenario())
 

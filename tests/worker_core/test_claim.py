@@ -250,6 +250,23 @@ def test_a_limit_of_zero_holds_expired_leases_and_suspects_too(conn: db.Conn, cl
     assert [(r["id"], r["ran_solo"]) for r in freed.claim(4)] == [(held, True)]
 
 
+def test_queues_under_one_types_cap_take_turns(conn: db.Conn, claimers: Any) -> None:
+    """`limit T 2` and `limit T 5 --queue bulk`: the type-wide room went, claim after claim, to the first
+    scope with a backlog (bulk's own pass came first), and the default queue's jobs starved."""
+    enqueue_many(conn, [("t.ok", {}, {"queue": "default", "priority": 0}) for _ in range(5)])
+    enqueue_many(conn, [("t.ok", {}, {"queue": "bulk", "priority": 10}) for _ in range(30)])
+    ops.set_limit(conn, "t.ok", 2, reason="type cap", actor=ops.Actor("tester"))
+    ops.set_limit(conn, "t.ok", 5, queue="bulk", reason="bulk cap", actor=ops.Actor("tester"))
+    w = claimers()
+    claimed: list[str] = []
+    for _ in range(4):
+        rows = w.claim(4)
+        assert len(rows) == 2  # the type's cap, every time
+        claimed += [r["queue"] for r in rows]
+        conn.execute("UPDATE job_queue SET state = 'succeeded', finished_at = now() WHERE state = 'running'")
+    assert Counter(claimed) == {"default": 4, "bulk": 4}
+
+
 FINISHED_OTHER_TYPES = """
 INSERT INTO job_queue (job_type, queue, payload, state, attempts, max_attempts, scheduled_at, finished_at)
 SELECT 'other.type' || (g %% 4), 'default', '{}', 'succeeded', 1, 5, now() - interval '1 day', now()

@@ -174,3 +174,38 @@ def test_a_producer_without_the_handlers_sends_a_registered_type_to_another_queu
     # t.ledger sets its timeout (20 s) itself, which stays; its max_attempts came from the defaults (7),
     # and billing's own (12) applies in billing
     assert (row["queue"], row["max_attempts"], row["timeout_seconds"]) == ("billing", 12, 20.0)
+
+
+def test_a_registered_types_derived_lease_gives_way_to_another_queues_own(tmp_path: Path) -> None:
+    """The contract names the timeout's source for a visibility timeout derived from it: taken for one the
+    type set, it overrode the other queue's own (60 s instead of slow's 900) for a producer without @task."""
+    from worker_core.producer import _registered_from_contract
+
+    path = tmp_path / "qconsole.toml"
+    path.write_text('[queues.slow]\nvisibility_timeout_seconds = 900\nreason = "slow queue"\n')
+    policy.set_current(policy.load(path, environ={}))
+    try:
+        task = Registry().register(Task("x.derived", handler, timeout=30, reason="quick"))
+        c = task.contract()
+        row = {"job_type": c.job_type, "queue": c.queue, "requires_idempotency_key": False,
+               "contract": {k: {"value": v, "source": s} for k, (v, s) in c.fields.items()}}  # fmt: skip
+        registered = _registered_from_contract(row)
+        assert task.defaults("slow").visibility_timeout_seconds == 900.0
+        assert registered.defaults("slow").visibility_timeout_seconds == 900.0
+        assert registered.defaults().visibility_timeout_seconds == 60.0  # its own queue: as registered
+    finally:
+        policy.set_current(None)
+
+
+def test_a_partial_retry_policy_stays_partial_through_replace_and_at_enqueue(
+    deployment: policy.DeploymentPolicy, conn: db.Conn
+) -> None:
+    import dataclasses
+
+    slower = dataclasses.replace(RetryPolicy(base_seconds=5), jitter=0.1)
+    assert slower.overrides() == {"base_seconds": 5, "jitter": 0.1}  # not the built-in backoff and max delay
+    # given at enqueue, it names two fields: the deployment's linear backoff stays
+    jid = enqueue(conn, "x.unregistered", {}, retry_policy=RetryPolicy(base_seconds=7)).id
+    row = conn.execute("SELECT retry_policy FROM job_queue WHERE id = %s", (jid,)).fetchone()
+    assert row is not None
+    assert row["retry_policy"] == {"backoff": "linear", "base_seconds": 7, "max_delay_seconds": 600.0, "jitter": 0.0}

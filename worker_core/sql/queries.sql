@@ -77,17 +77,24 @@ UPDATE job_queue j SET
 WHERE j.id = ANY(ARRAY(SELECT id FROM ready))
 RETURNING {{claimed_columns}}, false AS reclaimed
 
--- name: fragment_limit_full
--- For the solo lane (claim_solo, solo_work_waiting), which has no advisory lock of its own: a job_queue row
--- whose type has a concurrency limit with no room left, in its queue or in all of them ('*'). Counts the
+-- name: fragment_full_limits
+-- For the solo lane (claim_solo, solo_work_waiting), which has no advisory lock of its own: the (job_type,
+-- scope) limits with no room left, worked out once per statement (a MATERIALIZED CTE, not a count per
+-- candidate row: held expired leases stay running, and each heartbeat walked past all of them). Counts the
 -- jobs running with a live lease (a reclaimed expired one does not add to them). `limits` is the worker's
 -- list of (job_type, scope, max_running) as JSON. Without it `limit T 0` did not hold T's suspects and
 -- expired leases: the very jobs that crash processes, during the incident the limit contains.
-SELECT 1 FROM jsonb_to_recordset(%(limits)s::jsonb) AS l(job_type text, scope text, max_running int)
-WHERE l.job_type = job_queue.job_type AND l.scope IN ('*', job_queue.queue)
-  AND (SELECT count(*) FROM job_queue r
-       WHERE r.state = 'running' AND r.locked_until >= %(now)s AND r.job_type = l.job_type
-         AND (l.scope = '*' OR r.queue = l.scope)) >= l.max_running
+full_limits AS MATERIALIZED (
+    SELECT l.job_type, l.scope
+    FROM jsonb_to_recordset(%(limits)s::jsonb) AS l(job_type text, scope text, max_running int)
+    WHERE (SELECT count(*) FROM job_queue r
+           WHERE r.state = 'running' AND r.locked_until >= %(now)s AND r.job_type = l.job_type
+             AND (l.scope = '*' OR r.queue = l.scope)) >= l.max_running
+)
+
+-- name: fragment_limit_full
+-- A job_queue row whose type's limit has no room (full_limits).
+SELECT 1 FROM full_limits f WHERE f.job_type = job_queue.job_type AND f.scope IN ('*', job_queue.queue)
 
 -- name: claim_session
 -- The claim connection's settings: its statements are planned with each call's parameters (see
@@ -119,7 +126,7 @@ WITH ready AS MATERIALIZED (
 {{claim_ready}};
 
 -- name: claim_solo
-WITH expired AS MATERIALIZED (
+WITH {{full_limits}}, expired AS MATERIALIZED (
     SELECT id FROM job_queue
     WHERE state = 'running' AND locked_until < %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
@@ -244,6 +251,7 @@ ON CONFLICT (job_type, queue) DO UPDATE SET max_running = EXCLUDED.max_running, 
 -- name: solo_work_waiting
 -- What claim_solo would find (the same filters, paused queues included): else a worker would stop claiming
 -- to drain for a solo claim that finds nothing, on every heartbeat.
+WITH {{full_limits}}
 SELECT EXISTS (
     SELECT 1 FROM job_queue
     WHERE state = 'running' AND locked_until < %(now)s
