@@ -13,21 +13,27 @@ job commits): pass ``dsn=`` or an autocommit ``conn=``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from psycopg.conninfo import make_conninfo
 from psycopg.types.json import Jsonb
 
 from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.envelope import NUL_IN_JSON_RE
 from worker_core.errors import TransientError
 from worker_core.locks import LockBackend, PostgresLocks, new_token
 from worker_core.sql import queries
 
 T = TypeVar("T")
 LEASE_PREFIX = "single-flight:"
+_log = logging.getLogger("worker_core.coordination")
 
 
 class SingleFlightTimeout(TransientError):
@@ -39,8 +45,59 @@ def _get(conn: db.Conn, key: str, clock: Clock) -> tuple[bool, Any]:
     return (True, row["value"]) if row else (False, None)
 
 
+def _storable(key: str, value: Any) -> Any:
+    """The value as every caller gets it back: as stored (a tuple comes back a list, ``{1: "x"}`` as
+    ``{"1": "x"}``), the refiller too. NaN or a NUL character would fail in PostgreSQL, after the refill:
+    refused here, with a clear message."""
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"single_flight({key!r}): the refill's value is not storable as JSON: {e}") from e
+    if NUL_IN_JSON_RE.search(text):
+        raise ValueError(f"single_flight({key!r}): the refill's value contains a NUL character")
+    return json.loads(text)
+
+
 def _put(conn: db.Conn, key: str, value: Any, ttl: float, clock: Clock) -> None:
     conn.execute(queries["single_flight_put"], {"key": key, "value": Jsonb(value), "ttl": ttl, "now": clock.now()})
+
+
+class _LeaseKeeper:
+    """Extends a refill's lease every third of it while the refill runs, on a connection of its own (the
+    caller's thread is busy refilling): a refill longer than ``lease`` let a second one start, the
+    stampede single_flight is there to stop. Stops with the refill; a lease it finds taken it leaves."""
+
+    def __init__(self, locks: LockBackend, conninfo: str, name: str, token: str, lease: float) -> None:
+        self.locks, self.conninfo, self.name, self.token, self.lease = locks, conninfo, name, token, lease
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="single-flight-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        conn: db.Conn | None = None
+        try:
+            while not self._done.wait(self.lease / 3):
+                try:
+                    if conn is None or conn.closed or conn.broken:
+                        conn = db.connect(self.conninfo, application_name="worker_core-single-flight", autocommit=True)
+                    if not self.locks.extend(conn, self.name, self.token, self.lease):
+                        _log.warning("single_flight: the lease %s was taken during its refill", self.name)
+                        return
+                except Exception as e:  # tried again a third of a lease later
+                    _log.warning("single_flight: could not extend %s: %s", self.name, db.redact(str(e), self.conninfo))
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+
+def _conninfo(conn: db.Conn) -> str:
+    """A DSN for another connection like ``conn`` (its password included, which ``info.dsn`` leaves out)."""
+    password = conn.info.password
+    return make_conninfo(conn.info.dsn, **({"password": password} if password else {}))
 
 
 def single_flight(
@@ -56,7 +113,8 @@ def single_flight(
     locks: LockBackend | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> T:
-    """The value for ``key``: the fresh one if there is one, else from exactly one refill (JSON-able)."""
+    """The value for ``key``: the fresh one if there is one, else from exactly one refill (JSON-able).
+    The refill's lease is extended while it runs, however long it takes."""
     own = conn is None
     c = conn or db.connect(db.resolve_dsn(dsn), application_name="worker_core-single-flight", autocommit=True)
     if not c.autocommit:
@@ -74,10 +132,13 @@ def single_flight(
                     hit, value = _get(c, key, clock)  # filled between our read and our lease
                     if hit:
                         return value
-                    value = refill()
-                    json.dumps(value)  # fail here, not in the others, if it is not JSON
-                    _put(c, key, value, ttl, clock)
-                    return value
+                    keeper = _LeaseKeeper(locks, _conninfo(c), LEASE_PREFIX + key, token, lease)
+                    try:
+                        stored = _storable(key, refill())
+                    finally:
+                        keeper.stop()
+                    _put(c, key, stored, ttl, clock)
+                    return stored
                 finally:
                     locks.release(c, LEASE_PREFIX + key, token)
             if time.monotonic() + poll > deadline:
@@ -99,8 +160,10 @@ async def asingle_flight(
     poll: float = 0.05,
     clock: Clock = SYSTEM_CLOCK,
 ) -> T:
-    """``single_flight`` for async handlers: the refill is awaited; waiting never blocks the loop."""
-    c = await db.aconnect(db.resolve_dsn(dsn), application_name="worker_core-single-flight", autocommit=True)
+    """``single_flight`` for async handlers: the refill is awaited; waiting never blocks the loop. The lease
+    is extended while the refill runs, and released if the caller is cancelled while taking it."""
+    target = db.resolve_dsn(dsn)
+    c = await db.aconnect(target, application_name="worker_core-single-flight", autocommit=True)
     deadline = time.monotonic() + wait
     name = LEASE_PREFIX + key
 
@@ -109,26 +172,46 @@ async def asingle_flight(
         row = await cur.fetchone()
         return (True, row["value"]) if row else (False, None)
 
+    async def keep(token: str) -> None:
+        while True:
+            await asyncio.sleep(lease / 3)
+            params = {"key": name, "token": token, "ttl": lease, "now": clock.now()}
+            if await (await c.execute(queries["lock_extend"], params)).fetchone() is None:
+                _log.warning("single_flight: the lease %s was taken during its refill", name)
+                return
+
     try:
         while True:
             hit, value = await get()
             if hit:
                 return value
             token = new_token()
-            cur = await c.execute(
-                queries["lock_acquire"], {"key": name, "token": token, "ttl": lease, "job_id": None, "now": clock.now()}
-            )
-            if await cur.fetchone():
+            try:
+                params = {"key": name, "token": token, "ttl": lease, "job_id": None, "now": clock.now()}
+                cur = await c.execute(queries["lock_acquire"], params)
+                got = await cur.fetchone() is not None
+            except asyncio.CancelledError:
+                # cancelled while taking it: the lease may be ours already, and would hold every other caller
+                # off until it ran out. Released on a connection of its own (this one is mid-statement)
+                await asyncio.shield(_release_elsewhere(target, name, token))
+                raise
+            if got:
                 try:
                     hit, value = await get()
                     if hit:
                         return value
-                    value = await refill()
+                    keeper = asyncio.ensure_future(keep(token))
+                    try:
+                        stored = _storable(key, await refill())
+                    finally:
+                        keeper.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await keeper
                     await c.execute(
                         queries["single_flight_put"],
-                        {"key": key, "value": Jsonb(value), "ttl": ttl, "now": clock.now()},
+                        {"key": key, "value": Jsonb(stored), "ttl": ttl, "now": clock.now()},
                     )
-                    return value
+                    return stored
                 finally:
                     await c.execute(queries["lock_release"], {"key": name, "token": token})
             if time.monotonic() + poll > deadline:
@@ -136,6 +219,15 @@ async def asingle_flight(
             await asyncio.sleep(poll)
     finally:
         await c.close()
+
+
+async def _release_elsewhere(dsn: str, name: str, token: str) -> None:
+    with contextlib.suppress(Exception):
+        conn = await db.aconnect(dsn, application_name="worker_core-single-flight", autocommit=True)
+        try:
+            await conn.execute(queries["lock_release"], {"key": name, "token": token})
+        finally:
+            await conn.close()
 
 
 def forget(conn: db.Conn, key: str) -> None:

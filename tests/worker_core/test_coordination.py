@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -42,6 +43,45 @@ def test_single_flight_takes_over_when_the_refiller_died(dsn: str, conn: db.Conn
     assert PostgresLocks().acquire(conn, "single-flight:k", "dead-refiller", 0.2)  # its lease runs out
     assert single_flight("k", 60, lambda: {"v": 2}, conn=conn, wait=5) == {"v": 2}
     assert single_flight("k", 60, lambda: {"v": 3}, conn=conn, wait=5) == {"v": 2}  # cached, not refilled
+
+
+def test_a_refill_longer_than_its_lease_is_still_the_only_one(dsn: str, conn: db.Conn) -> None:
+    """The refill's lease is extended while it runs: one longer than ``lease`` let a second caller take the
+    lease over and refill again, the stampede single_flight is there to stop."""
+    refills: list[str] = []
+
+    def refill(who: str) -> dict[str, str]:
+        refills.append(who)
+        time.sleep(1.5)  # five leases of 0.3 s
+        return {"by": who}
+
+    got: dict[str, object] = {}
+
+    def second() -> None:
+        time.sleep(0.2)  # the first one holds the lease by now
+        got["second"] = single_flight("slow-refill", 60, lambda: refill("second"), dsn=dsn, wait=10, lease=0.3)
+
+    t = threading.Thread(target=second)
+    t.start()
+    got["first"] = single_flight("slow-refill", 60, lambda: refill("first"), dsn=dsn, wait=10, lease=0.3)
+    t.join(15)
+    assert refills == ["first"]
+    assert got == {"first": {"by": "first"}, "second": {"by": "first"}}
+
+
+def test_a_refills_value_comes_back_as_stored_and_bad_values_fail_before_the_write(conn: db.Conn) -> None:
+    assert single_flight("shape", 60, lambda: {"pair": (1, 2)}, conn=conn) == {"pair": [1, 2]}  # as the others see it
+    with pytest.raises(ValueError, match="not storable as JSON"):
+        single_flight("nan", 60, lambda: {"x": float("nan")}, conn=conn)
+    with pytest.raises(ValueError, match="NUL character"):
+        single_flight("nul", 60, lambda: {"x": "a\x00b"}, conn=conn)
+    assert scalar_in(conn, "SELECT count(*) FROM resource_locks") == 0  # their leases released
+
+
+def scalar_in(conn: db.Conn, query: str) -> object:
+    row = conn.execute(query).fetchone()
+    assert row is not None
+    return next(iter(row.values()))
 
 
 def test_versioned_update_raises_a_transient_conflict(conn: db.Conn) -> None:
@@ -85,3 +125,59 @@ def test_a_kill_cancels_a_running_async_handler_and_rolls_back_its_writes(dsn: s
     assert scalar(dsn, "SELECT count(*) FROM refills") == 2  # CancelledError was raised inside the handler
     assert ledger(dsn) == []  # its write rolled back
     assert scalar(dsn, "SELECT attempts FROM job_queue WHERE id = %s", (jid,)) == 1  # never retried
+
+
+def test_an_async_caller_cancelled_while_taking_the_lease_does_not_keep_it(dsn: str) -> None:
+    """Cancelled while its lease's INSERT waits: that INSERT may still commit, and its lease would hold
+    every other caller off for ``lease`` seconds. It is released on a connection of its own."""
+    import asyncio
+
+    from worker_core.coordination import asingle_flight
+
+    with db.connect(dsn) as blocker, db.connect(dsn, autocommit=True) as look:
+        # an uncommitted lease row: the caller's INSERT ... ON CONFLICT waits on it
+        blocker.execute(
+            "INSERT INTO resource_locks (lock_key, token, expires_at) VALUES ('single-flight:acancel', 'b', now())"
+        )
+
+        async def refill() -> int:
+            return 1
+
+        async def scenario() -> None:
+            task = asyncio.ensure_future(asingle_flight("acancel", 60, refill, dsn=dsn, lease=60))
+            await asyncio.sleep(0.5)
+            task.cancel()
+            blocker.rollback()  # the waiting INSERT goes through now, unless it was cancelled on the server
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.5)
+
+        asyncio.run(scenario())
+        assert scalar_in(look, "SELECT count(*) FROM resource_locks WHERE lock_key = 'single-flight:acancel'") == 0
+
+
+def test_versioned_update_takes_any_column_name_and_refuses_what_no_retry_fixes(dsn: str, conn: db.Conn) -> None:
+    import asyncio
+
+    from worker_core.optimistic import aversioned_update
+
+    conn.execute('CREATE TABLE odd ("a b" text PRIMARY KEY, "c)d" int NOT NULL, version int NOT NULL)')
+    conn.execute("INSERT INTO odd VALUES ('k', 1, 1)")
+    assert versioned_update(conn, "odd", {"a b": "k"}, 1, {"c)d": 2}) == 2  # a named placeholder broke on ")"
+    with pytest.raises(ValueError, match="with '%' in it is not supported"):
+        versioned_update(conn, "odd", {"a%b": "k"}, 2, {"c)d": 3})
+    with pytest.raises(ValueError, match="leave it out of the changes"):
+        versioned_update(conn, "odd", {"a b": "k"}, 2, {"version": 9})
+    for bad in (1.5, float("nan"), True):
+        with pytest.raises(PermanentError, match="must be an integer"):
+            versioned_update(conn, "odd", {"a b": "k"}, bad, {"c)d": 3})  # type: ignore[arg-type]
+
+    async def in_async_handler() -> int:
+        aconn = await db.aconnect(dsn, autocommit=True)
+        try:
+            return await aversioned_update(aconn, "odd", {"a b": "k"}, 2, {"c)d": 3})
+        finally:
+            await aconn.close()
+
+    assert asyncio.run(in_async_handler()) == 3
+    assert conn.execute('SELECT "c)d" AS v, version FROM odd').fetchone() == {"v": 3, "version": 3}
