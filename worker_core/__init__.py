@@ -12,7 +12,7 @@ from worker_core.errors import (
     TransientError,
 )
 from worker_core.models import EnqueueResult, Job, JobState
-from worker_core.optimistic import VersionConflict, versioned_update
+from worker_core.optimistic import VersionConflict, aversioned_update, versioned_update
 from worker_core.producer import enqueue, enqueue_many
 from worker_core.registry import Task, registry, task
 from worker_core.retry import RetryPolicy
@@ -35,6 +35,7 @@ __all__ = [
     "TransientError",
     "VersionConflict",
     "asingle_flight",
+    "aversioned_update",
     "enqueue",
     "enqueue_many",
     "registry",
