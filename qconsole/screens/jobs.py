@@ -155,6 +155,16 @@ class JobsScreen(ConsoleScreen):
         self._sync_widgets()
         self.reload()
 
+    def show_failure(self, error: str) -> None:
+        """The list on screen is the last one read, maybe under another filter than the one now set: said
+        on the status line, which stays until a read succeeds (the toast goes after a few seconds)."""
+        super().show_failure(error)
+        status = Text(no_wrap=True, overflow="ellipsis")
+        status.append(" read failed: ", style="bold red")
+        status.append(fmt.printable(error))
+        status.append(" │ the list below is the last one read, not this filter's")
+        self.query_one("#jobs-status", Static).update(status)
+
     # ---------------------------------------------------------------- reading
 
     def fetch(self, backend: ConsoleBackend) -> tuple[JobFilter, list[Job]]:

@@ -366,6 +366,47 @@ def test_outage_banner_then_recovery(dsn: str, conn: db.Conn) -> None:
     backend.close()
 
 
+def test_a_jobs_read_that_fails_says_so_on_the_status_line_until_one_succeeds(dsn: str, conn: db.Conn) -> None:
+    """A search the database refuses (a statement timeout): the toast goes after a few seconds and the table
+    went on showing the unfiltered list while the search box held the search, as if it had matched."""
+    import psycopg
+    from textual.widgets import Static
+
+    from qconsole.screens.jobs import JobsScreen
+    from worker_core.producer import enqueue
+
+    enqueue(conn, "t.ok", {}, delay_seconds=3600)
+
+    class TimingOut(DatabaseBackend):
+        def list_jobs(self, **kw: Any) -> Any:
+            if kw.get("search"):
+                raise psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+            return super().list_jobs(**kw)
+
+    backend = TimingOut(dsn)
+    app = console(dsn, backend=backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("j")
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, JobsScreen)
+            status = screen.query_one("#jobs-status", Static)
+            assert "1 job(s)" in str(status.content)
+            screen.set_filter(search="nothing like it")
+            await settle(pilot)
+            shown = str(status.content)
+            assert "read failed" in shown and "statement timeout" in shown and "not this filter's" in shown
+            screen.set_filter()
+            await settle(pilot)
+            assert "1 job(s)" in str(status.content) and "read failed" not in str(status.content)
+
+    run_async(scenario())
+    backend.close()
+
+
 def test_reads_never_overlap(dsn: str) -> None:
     """A slow database must not stack reads: the next one starts only when the last one finished."""
     backend = DatabaseBackend(dsn)
