@@ -21,7 +21,7 @@ from qconsole import output
 from worker_core import db, ops, stats
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
 from worker_core.migrate import migrate as run_migrations
-from worker_core.migrate import pending_migrations
+from worker_core.migrate import changed_migrations, pending_migrations
 from worker_core.models import JobState
 
 app = typer.Typer(
@@ -87,6 +87,13 @@ def connect(dsn: str | None, *, read_only: bool = False, autocommit: bool = True
             else:
                 names = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
                 fail(f"the database needs migrations ({names}): run `qconsole migrate`", 3)
+        changed = changed_migrations(conn)
+        if changed:
+            # workers refuse to start on such a schema (forward-only): say it here too, without refusing
+            # the operator's command
+            names = ", ".join(f"{m.version:04d}_{m.name}" for m in changed)
+            typer.echo(f"warning: migrations {names} differ from what this database applied: this qconsole "
+                       "is not the version that migrated it (workers of it refuse to start)", err=True)  # fmt: skip
         yield conn
     finally:
         conn.close()

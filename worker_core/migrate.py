@@ -101,3 +101,9 @@ def migrate(conn: Conn, folder: Traversable | None = None) -> list[Migration]:
 def pending_migrations(conn: Conn) -> list[Migration]:
     done = applied_versions(conn)
     return [m for m in load_migrations() if m.version not in done]
+
+
+def changed_migrations(conn: Conn) -> list[Migration]:
+    """Applied migrations whose file differs from what was applied (this code is not the schema's)."""
+    done = applied_versions(conn)
+    return [m for m in load_migrations() if m.version in done and done[m.version] != m.checksum]

@@ -234,6 +234,9 @@ def test_limit_and_migrate_errors_are_messages_and_exit_codes(cli: Any, conn: db
     conn.execute("UPDATE worker_core_migrations SET checksum = 'x' WHERE version = 1")
     conn.commit()
     assert "forward-only" in cli("migrate", code=3).output
+    # other commands go on (an operator's command in an incident), but say it
+    result = cli("jobs", "--json")
+    assert "warning: migrations 0001_init differ" in result.stderr and json.loads(result.stdout) is not None
 
 
 def test_data_is_printed_as_text_never_as_markup_or_escape_sequences(cli: Any, conn: db.Conn) -> None:
