@@ -20,8 +20,8 @@ import typer
 from qconsole import output
 from worker_core import db, ops, stats
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
-from worker_core.migrate import migrate as run_migrations
 from worker_core.migrate import changed_migrations, pending_migrations
+from worker_core.migrate import migrate as run_migrations
 from worker_core.models import JobState
 
 app = typer.Typer(
