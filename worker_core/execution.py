@@ -146,6 +146,12 @@ class UndecodablePayload:
         self.reason = reason
 
 
+def _job_made(e: BaseException) -> bool:
+    """An error the server answered our own statement with (its settlement, its COMMIT), caused by what the
+    job did in the transaction: not an outage (connection lost, statement cancelled or timed out)."""
+    return isinstance(e, psycopg.DatabaseError) and not isinstance(e, psycopg.OperationalError)
+
+
 class HandlerFailure(Exception):
     """Wraps whatever a handler raised (BaseException included) so it never unwinds the worker."""
 
@@ -207,6 +213,8 @@ def _notice_end(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
     # ROLLBACK is also ROLLBACK TO SAVEPOINT's tag: it ends the transaction only if nothing is left open
     if idle or any(t.startswith(_ENDING_TAGS) or (t == b"ROLLBACK" and idle) for t in tags):
         slot.tx_ended = True
+        # COMMIT's tag is ROLLBACK when the transaction had failed: "COMMIT" means what came before stays
+        slot.tx_committed = slot.tx_committed or b"COMMIT" in tags
 
 
 def _refuse_abandoned(conn: Any) -> None:
@@ -287,6 +295,20 @@ class JobConnection(psycopg.Connection[dict[str, Any]]):
         _refuse(self.slot, "switch autocommit on or off on")
         super().set_autocommit(value)
 
+    def close(self) -> None:
+        _refuse(self.slot, "close")
+        super().close()
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        """``with ctx.tx:`` in a handler is a block of the job's transaction, nothing more: the worker
+        commits it with the settlement (or rolls it back with the failure). psycopg's own exit would commit
+        or roll back and then close the connection, ending the job's (and its group's) transaction: given
+        back uncharged, the group ran again for ever."""
+        slot = self.slot
+        if slot is not None and slot.handler_running:
+            return
+        super().__exit__(exc_type, exc_val, exc_tb)
+
 
 class AsyncJobCursor(_AbandonedRefused, psycopg.AsyncCursor[dict[str, Any]]):
     """JobCursor for async handlers."""
@@ -325,6 +347,17 @@ class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
     async def set_autocommit(self, value: bool) -> None:
         _refuse(self.slot, "switch autocommit on or off on")
         await super().set_autocommit(value)
+
+    async def close(self) -> None:
+        _refuse(self.slot, "close")
+        await super().close()
+
+    async def __aexit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        """``async with ctx.tx:``: a block of the job's transaction (see JobConnection.__exit__)."""
+        slot = self.slot
+        if slot is not None and slot.handler_running:
+            return
+        await super().__aexit__(exc_type, exc_val, exc_tb)
 
 
 #: the longest delay a handler's ``retry_in`` may ask for (a year)
@@ -374,6 +407,8 @@ class Slot:
         self.handler_running = False
         #: the running handler ended its transaction with a statement (see JobCursor)
         self.tx_ended = False
+        #: the statement that ended it was a COMMIT: what the group's jobs before it did, committed
+        self.tx_committed = False
         #: the watchdog gave up on this slot's thread (Worker._abandon): it opens and sends nothing more
         self.abandoned = False
         #: while a group runs, the connection its transaction is on (see conn): a group never goes on, nor
@@ -547,10 +582,17 @@ class Slot:
             self._rollback()
             ctx.logger.warning("lease lost to another worker: rolled back, not settled")
         except psycopg.Error as e:
-            # our own statements failed (database outage): the effect did not commit; give the job back
-            self.reset()
-            ctx.logger.warning("database error around the job: %s", db.redact(str(e).strip(), w.dsn))
-            self.release(ex, 0.0)
+            if _job_made(e):
+                # the server answered with an error of the job's making at its settlement or commit: a
+                # deferred constraint its writes broke, a search_path it changed. Its failure, charged an
+                # attempt (given back uncharged, it ran again for ever, never dead-lettered)
+                self.reset()
+                self._after_failure(ex, e)
+            else:
+                # our own statements failed (database outage): the effect did not commit; give the job back
+                self.reset()
+                ctx.logger.warning("database error around the job: %s", db.redact(str(e).strip(), w.dsn))
+                self.release(ex, 0.0)
         finally:
             if not ex.abandoned:  # else the slot that replaces this one finishes the job
                 self._finish(ex, t0)
@@ -653,7 +695,13 @@ class Slot:
             # one of our own statements failed (the handlers' errors are their jobs' failures), or the
             # database went away: nothing of the group committed; the job in progress is given back too
             self.reset()
-            if isinstance(e, psycopg.Error):
+            if _job_made(e):
+                # the server refused the group's settlement or COMMIT for something a job did (a deferred
+                # constraint): which one, the group cannot tell. Its types run one job per transaction from
+                # now on, where that job fails alone, charged (else the group came back, round and round)
+                kinds = sorted({x.job["job_type"] for x in [*group.effects, *group.done, *group.waiting]})
+                w.ungroup(kinds, db.redact(str(e).strip(), w.dsn))
+            elif isinstance(e, psycopg.Error):
                 w.log.warning("database error around a group of jobs: %s", db.redact(str(e).strip(), w.dsn))
                 if isinstance(e, psycopg.OperationalError) and group.waiting:
                     # the server is likely gone: the jobs not begun, given back at once, would come straight
@@ -746,12 +794,29 @@ class Slot:
         try:
             self._rollback()
             self._unrecord_waiting(group)
+            if self.tx_committed and group.effects:
+                self._settle_committed(group)
         except psycopg.Error as e:
             self.reset()
             why = db.redact(str(e).strip(), self.w.dsn)
             self.w.log.warning("could not delete the records of a broken group: %s", why)
         group.failed.append((ex, _tx_ended_error()))
         self._give_back_group(group)
+
+    def _settle_committed(self, group: Group) -> None:
+        """A handler's COMMIT committed what the group's jobs before it did: they are settled succeeded
+        (fenced), not given back, where a job without an idempotency key would run, and write, again."""
+        effects, group.effects = group.effects, []
+        with self.conn.transaction():
+            rows = self.conn.execute(queries["settle_succeeded_many"], settle_many_params(self.w, effects)).fetchall()
+        held = {r["id"] for r in rows}
+        for done in effects:
+            if done.job["id"] in held:
+                self._succeeded(done, idempotency_hit=done.hit)
+            else:
+                done.ctx.logger.warning("job no longer held by this worker: not settled")
+            self._finish(done, done.started)
+        self._leave(group, effects)
 
     def _unrecord_waiting(self, group: Group) -> None:
         """The records the group's first statement wrote for the jobs not begun yet, once a handler ended the
@@ -857,7 +922,7 @@ class Slot:
                     return
             # the handler's first use of ctx.tx opens its savepoint (and the slot's connection, if need be)
             ctx._on_tx = open_savepoint
-            self.tx_ended = False
+            self.tx_ended = self.tx_committed = False
             self._call_sync(ex, task)
             status = self.conn.pgconn.transaction_status if opened else None
             if self.tx_ended or status == psycopg.pq.TransactionStatus.IDLE:
@@ -867,11 +932,18 @@ class Slot:
         except HandlerFailure as f:
             if self.tx_ended:  # it ended the transaction, then failed: its savepoint is gone with the rest
                 raise TxEnded() from None
-            if _is_db_error(f.exc) and self._group_connection_lost():
-                # not its fault: the group's connection went (a failover); the group is given back
-                raise psycopg.OperationalError(GROUP_CONNECTION_LOST) from f.exc
             ex.ended = time.monotonic()
-            self._forget_key(ex, savepoint if opened else None)
+            try:
+                if _is_db_error(f.exc) and self._group_connection_lost():
+                    raise psycopg.OperationalError(GROUP_CONNECTION_LOST) from f.exc
+                self._forget_key(ex, savepoint if opened else None)  # finds a lost connection lost
+            except psycopg.OperationalError:
+                # the group's connection went while this handler ran: the group is given back, the others
+                # uncharged; this one is charged, as a job alone is. A failover costs it one attempt; a
+                # handler that loses its connection itself (idle_in_transaction_session_timeout during a
+                # slow call) would otherwise run again for ever, never dead-lettered
+                group.failed.append((ex, f.exc))
+                raise
             group.failed.append((ex, f.exc))
             return
         ex.ended = time.monotonic()
@@ -1069,6 +1141,12 @@ class Slot:
         except (HandlerFailure, LeaseLost, psycopg.Error):
             raise
         except BaseException as e:  # a SystemExit escaping a task surfaces here
+            aconn = self._aconn
+            if aconn is not None:
+                # its transaction (the job's writes, its idempotency record) ends now, not whenever the
+                # garbage collector gets to the connection: the job's next attempt waited on its own key
+                with contextlib.suppress(Exception):
+                    aconn.pgconn.finish()
             self._loop = None
             self._aconn = None
             raise HandlerFailure(e) from None
@@ -1118,10 +1196,13 @@ class Slot:
                         handler.cancel()
                         await asyncio.wait({handler}, timeout=self.w.config.cancel_grace)
                         break
+                clean = handler.done() and await self._cancel_leftovers()
             finally:
                 self.handler_running = False
-            if not handler.done():
+            if not clean:
                 self._forsake_loop(aconn)
+                if handler.done():
+                    raise HandlerFailure(RuntimeError("the handler left tasks running that ignored their cancellation"))
             if self.tx_ended:  # before its own verdict: see _run_sync
                 raise HandlerFailure(_tx_ended_error())
             if ctx.cancelled:
@@ -1154,6 +1235,22 @@ class Slot:
                 except psycopg.Error:
                     await aconn.close()
             raise
+
+    async def _cancel_leftovers(self) -> bool:
+        """Tasks the handler started and left running (the others of an ``asyncio.gather`` whose first one
+        failed, a fire-and-forget write): cancelled now. The slot's loop runs the next job, and a leftover
+        write would land in that job's transaction and commit with it. False if some ignored it."""
+        me = asyncio.current_task()
+        left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+        if not left:
+            return True
+        for t in left:
+            t.cancel()
+        done, pending = await asyncio.wait(left, timeout=self.w.config.cancel_grace)
+        for t in done:
+            if not t.cancelled():
+                t.exception()  # retrieved: asyncio would log it as never retrieved
+        return not pending
 
     def _forsake_loop(self, aconn: db.AsyncConn) -> None:
         """The handler swallowed its cancellation and is still a task of this slot's event loop, holding

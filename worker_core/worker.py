@@ -169,6 +169,8 @@ class Worker:
         self._want_solo = True
         #: (job_type, queue scope, max running) of the limited types this worker handles; refreshed on heartbeats
         self._limits: list[tuple[str, str, int]] = []
+        #: types whose group commit the server refused for something a job did (Worker.ungroup)
+        self._ungrouped: set[str] = set()
         self._paused: list[str] = []
         self._filters_at: float | None = None
         self._limit_turn = 0
@@ -623,6 +625,12 @@ class Worker:
         )
         ex = Execution(job=row, ctx=ctx, load=self.job_load(row))
         with self._slot_free:
+            # claimed again before its last run left the set (given back, then claimed by this worker at
+            # once): the old entry is done now, and its own _done must not remove this one (_done_many)
+            old = self._in_flight.get(row["id"])
+            if old is not None:
+                self._load -= old.load
+                self._solo_in_flight -= 1 if old.job["ran_solo"] else 0
             self._in_flight[row["id"]] = ex
             self._load += ex.load
             if row["ran_solo"]:
@@ -667,7 +675,8 @@ class Worker:
     def _done_many(self, executions: Iterable[Execution]) -> None:
         with self._slot_free:
             for ex in executions:
-                if self._in_flight.pop(ex.job["id"], None) is not None:
+                if self._in_flight.get(ex.job["id"]) is ex:  # not a later run of the same job (_dispatch)
+                    del self._in_flight[ex.job["id"]]
                     self._load -= ex.load
                     if ex.job["ran_solo"]:
                         self._solo_in_flight -= 1
@@ -850,12 +859,21 @@ class Worker:
                 return
         slot.close()
 
+    def ungroup(self, job_types: Iterable[str], why: str) -> None:
+        """These types' jobs run one per transaction in this worker from now on (Slot.run_group)."""
+        new = set(job_types) - self._ungrouped
+        if new:
+            self._ungrouped |= new
+            self.log.warning("a group's commit failed (%s): %s run one job per transaction from now on", why,
+                             ", ".join(sorted(new)))  # fmt: skip
+
     def groupable(self, ex: Execution) -> bool:
         job = ex.job
         task = self.registry.get(job["job_type"])
         return (
             self.config.group_max > 1
             and task is not None
+            and job["job_type"] not in self._ungrouped
             and not isinstance(job.get("payload"), UndecodablePayload)
             and not task.is_async
             and not job["lock_key"]

@@ -344,3 +344,77 @@ def awkward_failure(ctx: JobContext, payload: dict[str, Any]) -> None:
     if how == "nul":
         raise ValueError("bad\x00byte \ud800 here")
     raise _Unprintable()
+
+
+# ----------------------------------------------------------------------- errors of the job's own making, found
+# at its settlement or commit, and handlers that leave work behind (test_settlement_errors)
+
+
+@worker_core.task("t.deferred_fk", retry=FAST, max_attempts=3, reason="tests need fast, bounded retries")
+def deferred_fk(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes a child row whose parent does not exist, under a DEFERRABLE INITIALLY DEFERRED foreign key (as
+    Django declares every one): the violation shows only at COMMIT."""
+    _ledger(ctx, payload)
+    ctx.tx.execute("INSERT INTO child (parent_id) VALUES (%s)", (payload.get("parent", 999),))
+
+
+@worker_core.task("t.async_deferred_fk", retry=FAST, max_attempts=3, reason="tests need fast, bounded retries")
+async def async_deferred_fk(ctx: JobContext, payload: dict[str, Any]) -> None:
+    await ctx.tx.execute("INSERT INTO child (parent_id) VALUES (%s)", (payload.get("parent", 999),))
+
+
+@worker_core.task("t.tenant_path", retry=FAST, max_attempts=3, reason="tests need fast, bounded retries")
+def tenant_path(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Switches ctx.tx to a tenant's schema (as django-tenants does) and leaves it so."""
+    ctx.tx.execute("CREATE SCHEMA IF NOT EXISTS tenant_42")
+    ctx.tx.execute("SET search_path TO tenant_42")
+
+
+@worker_core.task("t.with_tx", retry=FAST, max_attempts=3, reason="tests need fast, bounded retries")
+def with_tx(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """``with ctx.tx as c:`` around its write; fails inside the block on its first ``fail_times`` attempts."""
+    with ctx.tx as c:
+        c.execute("INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, "w", ctx.attempt))
+        if ctx.attempt <= payload.get("fail_times", 0):
+            raise TransientError("upstream 503")
+
+
+@worker_core.task("t.async_gather", retry=FAST, max_attempts=3, reason="tests need fast, bounded retries")
+async def async_gather(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """gather(a write 0.3 s later, a call that fails on attempt 1): the failure ends the handler while the
+    write is still pending in the slot's loop."""
+
+    async def write() -> None:
+        await asyncio.sleep(0.3)
+        await ctx.tx.execute(
+            "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, "g", ctx.attempt)
+        )
+
+    async def call() -> None:
+        await asyncio.sleep(0.01)
+        if ctx.attempt == 1:
+            raise TransientError("upstream 503")
+
+    await asyncio.gather(write(), call())
+
+
+@worker_core.task("t.async_exit", retry=FAST, timeout=5, max_attempts=3, reason="tests need fast, bounded retries")
+async def async_exit(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes, then raises SystemExit on its first attempt (which asyncio lets escape its loop)."""
+    await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, "e", ctx.attempt)
+    )
+    if ctx.attempt == 1:
+        raise SystemExit(3)
+
+
+@worker_core.task("t.idle_too_long", retry=FAST, timeout=20, max_attempts=3, reason="tests need fast, bounded retries")
+def idle_too_long(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """On its first attempt: writes, then makes a slow call longer than the session's
+    idle_in_transaction_session_timeout, so the server ends its connection, then writes again."""
+    if ctx.attempt == 1:
+        ctx.tx.execute("SET idle_in_transaction_session_timeout = '500ms'")
+    _ledger(ctx, payload)
+    if ctx.attempt == 1:
+        time.sleep(1.2)
+    _ledger(ctx, payload)

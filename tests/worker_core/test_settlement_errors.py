@@ -1,0 +1,140 @@
+"""Errors of a job's own making that surface only at its settlement or its COMMIT, and handlers that leave
+work behind them: each is that job's failure, charged an attempt, and never leaks into another job.
+
+Before, a deferred constraint violated at COMMIT (or a search_path the handler changed) was taken for a
+database outage: the job was given back uncharged and ran again for ever, never dead-lettered, and the
+innocent jobs grouped with it with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.worker_core.helpers import WorkerThread, job, ledger, run_burst, state
+from worker_core import db
+from worker_core.producer import enqueue
+from worker_core.worker import Worker
+
+GROUPED: dict[str, Any] = {"concurrency": 1, "prefetch": 20, "group_seconds": 10.0, "cancel_grace": 0.2}
+
+
+def run_grouped(dsn: str, job_types: tuple[str, ...]) -> Worker:
+    """A burst worker that has measured these types already: their jobs go out in groups."""
+    wt = WorkerThread(dsn, **GROUPED)
+    for job_type in job_types:
+        wt.worker.observe_handler(job_type, 0.01)
+    assert wt.start().join(60) == 0
+    return wt.worker
+
+
+@pytest.fixture
+def deferred_fk(conn: db.Conn) -> None:
+    conn.execute("CREATE TABLE parent (id int PRIMARY KEY)")
+    conn.execute(
+        "CREATE TABLE child (id serial PRIMARY KEY,"
+        " parent_id int REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED)"
+    )
+    conn.commit()
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "grouped"])
+def test_a_deferred_constraint_violated_at_commit_fails_the_job_that_broke_it(
+    dsn: str, conn: db.Conn, deferred_fk: None, grouped: bool
+) -> None:
+    bad = enqueue(conn, "t.deferred_fk", {"item": "bad"}, priority=0).id
+    good = [enqueue(conn, "t.ledger", {"item": f"ok{i}"}, idempotency_key=f"k{i}", priority=1).id for i in range(3)]
+    conn.commit()
+    w = run_grouped(dsn, ("t.deferred_fk", "t.ledger")) if grouped else run_burst(dsn, group_max=1)
+    row = job(dsn, bad)
+    assert (row["state"], row["attempts"]) == ("dead_lettered", 3)
+    assert [e["class"] for e in row["errors"]] == ["ForeignKeyViolation"] * 3
+    assert [state(dsn, j) for j in good] == ["succeeded"] * 3  # the jobs grouped with it ran
+    assert sorted(r["item"] for r in ledger(dsn)) == ["ok0", "ok1", "ok2"]  # nothing of the bad one
+    if grouped:
+        assert "t.deferred_fk" in w._ungrouped  # found alone, where it failed by itself
+
+
+def test_an_async_jobs_deferred_violation_fails_it_too(dsn: str, conn: db.Conn, deferred_fk: None) -> None:
+    bad = enqueue(conn, "t.async_deferred_fk", {}, idempotency_key="a1").id
+    conn.commit()
+    run_burst(dsn)
+    assert (job(dsn, bad)["state"], job(dsn, bad)["attempts"]) == ("dead_lettered", 3)
+    assert conn.execute("SELECT count(*) AS n FROM processed_keys").fetchone() == {"n": 0}
+
+
+def test_a_search_path_the_handler_changed_fails_its_settlement_and_the_job(dsn: str, conn: db.Conn) -> None:
+    bad = enqueue(conn, "t.tenant_path", {}, idempotency_key="t1").id
+    conn.commit()
+    run_burst(dsn, group_max=1)
+    row = job(dsn, bad)
+    assert (row["state"], row["attempts"]) == ("dead_lettered", 3)
+    assert row["errors"][0]["class"] == "UndefinedTable"
+
+
+def test_with_ctx_tx_as_a_block_that_raises_fails_its_job_once_not_its_group_for_ever(
+    dsn: str, conn: db.Conn
+) -> None:
+    # psycopg's own exit rolled back (refused), then closed the connection: the group, given back
+    # uncharged, came back round and round
+    j = enqueue(conn, "t.with_tx", {"fail_times": 1}).id
+    others = [enqueue(conn, "t.ledger", {"item": f"o{i}"}, idempotency_key=f"o{i}").id for i in range(2)]
+    conn.commit()
+    run_grouped(dsn, ("t.with_tx", "t.ledger"))
+    assert (state(dsn, j), job(dsn, j)["attempts"]) == ("succeeded", 2)
+    assert [state(dsn, o) for o in others] == ["succeeded"] * 2
+    assert sorted((r["item"], r["attempt"]) for r in ledger(dsn)) == [("o0", 1), ("o1", 1), ("w", 2)]
+
+
+def test_a_connection_the_handler_lost_itself_charges_that_job_not_the_others(dsn: str, conn: db.Conn) -> None:
+    # a slow call inside the transaction outlived idle_in_transaction_session_timeout: the server ended the
+    # group's connection. Charged to nobody, the job ran again and again, never dead-lettered
+    j = enqueue(conn, "t.idle_too_long", {"item": "slow"}, priority=1).id
+    conn.commit()
+    run_grouped(dsn, ("t.idle_too_long",))
+    row = job(dsn, j)
+    assert (row["state"], row["attempts"]) == ("succeeded", 2)
+    assert [r["attempt"] for r in ledger(dsn)] == [2, 2]
+
+
+def test_tasks_an_async_handler_left_running_never_write_into_the_next_jobs_transaction(
+    dsn: str, conn: db.Conn
+) -> None:
+    # gather(write in 0.3 s, a call failing at once): the handler fails, its write is still pending in the
+    # slot's loop, which runs the next async job: the write landed in that job's transaction and committed
+    # with it, and the retry wrote again
+    g = enqueue(conn, "t.async_gather", {}, priority=0).id
+    nxt = enqueue(conn, "t.async_ok", {"item": "next", "sleep": 0.6}, priority=1).id
+    conn.commit()
+    run_burst(dsn, concurrency=1)
+    assert [state(dsn, j) for j in (g, nxt)] == ["succeeded", "succeeded"]
+    assert sorted((r["item"], r["attempt"]) for r in ledger(dsn)) == [("g", 2), ("next", 1)]
+
+
+def test_an_async_handler_raising_system_exit_leaves_no_transaction_open(dsn: str, conn: db.Conn) -> None:
+    # its connection, dropped, kept the job's transaction (its idempotency record) open until the garbage
+    # collector closed it: the retry waited on its own key
+    import gc
+
+    j = enqueue(conn, "t.async_exit", {}, idempotency_key="exit-1").id
+    conn.commit()
+    gc.disable()
+    try:
+        run_burst(dsn, timeout=30)
+    finally:
+        gc.enable()
+    assert (state(dsn, j), job(dsn, j)["attempts"]) == ("succeeded", 2)
+    assert [(r["item"], r["attempt"]) for r in ledger(dsn)] == [("e", 2)]
+
+
+def test_a_neighbours_commit_does_not_run_the_keyless_jobs_before_it_twice(dsn: str, conn: db.Conn) -> None:
+    # the COMMIT committed what the jobs before it wrote: given back, those without an idempotency key
+    # wrote again
+    before = [enqueue(conn, "t.ok", {"ledger": True, "item": f"b{i}"}, priority=0).id for i in range(3)]
+    committer = enqueue(conn, "t.raw_commit", {"item": "c"}, priority=1).id
+    conn.commit()
+    run_grouped(dsn, ("t.ok", "t.raw_commit"))
+    assert [state(dsn, j) for j in before] == ["succeeded"] * 3
+    assert state(dsn, committer) == "failed"
+    assert sorted(r["item"] for r in ledger(dsn) if r["item"].startswith("b")) == ["b0", "b1", "b2"]
