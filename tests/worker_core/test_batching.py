@@ -246,6 +246,21 @@ def test_jobs_are_handed_out_in_groups_that_fit_the_window_of_their_measured_han
                       ["t.ok+lock"], ["t.ok+lock"]]  # fmt: skip
 
 
+def test_a_job_claimed_again_before_its_last_run_left_the_in_flight_set_stays_tracked(dsn: str) -> None:
+    # given back by a group (released), then claimed at once by this worker, before the group's _leave:
+    # that _leave popped the job by id, the new run with it: no heartbeat, no kill, no wait at shutdown
+    w = Worker(config(dsn))
+    row = {"id": uuid.uuid4(), "job_type": "t.ok", "lock_key": None, "ran_solo": False, "queue": "default",
+           "attempts": 1, "max_attempts": 3, "idempotency_key": None, "trace_id": None, "tenant_id": None}  # fmt: skip
+    first = w._dispatch(dict(row))
+    again = w._dispatch({**row, "attempts": 2})
+    w._done_many([first])  # the old run's leave
+    assert w._in_flight == {row["id"]: again}
+    assert w._load == pytest.approx(again.load)
+    w._done_many([again])
+    assert w._in_flight == {} and w._load == 0.0
+
+
 def test_by_default_a_handler_slowed_by_a_busy_process_is_still_grouped_and_a_network_call_is_not(dsn: str) -> None:
     # wall times include the waits for the GIL and the server: a 30 µs handler measures ~3 ms in a loaded
     # process; a budget that split those into groups of six made more commits, hence more load
