@@ -151,6 +151,7 @@ class DatabaseBackend:
                 statement_timeout_ms=self.statement_timeout_ms,
                 read_only=self.read_only,
                 connect_timeout=self.connect_timeout,
+                jit=False,
             )
         return self._conn
 

@@ -98,6 +98,7 @@ class FleetCollector(Collector):
                 application_name="qconsole-metrics",
                 autocommit=True,
                 read_only=True,
+                jit=False,
                 statement_timeout_ms=self.statement_timeout_ms,
             )
         return self._conn
