@@ -210,8 +210,14 @@ def kill(
 
 
 def group_job_ids(conn: Conn, job_type: str, fingerprint: str, state: str = "dead_lettered") -> list[uuid.UUID]:
-    rows = conn.execute(queries["group_ids"], {"job_type": job_type, "fingerprint": fingerprint, "state": state})
+    """The jobs of a dead-letter group, as dead_letter_groups names it (``(no error recorded)``: none)."""
+    stored = None if fingerprint == NO_ERROR_RECORDED else fingerprint
+    rows = conn.execute(queries["group_ids"], {"job_type": job_type, "fingerprint": stored, "state": state})
     return [r["id"] for r in rows]
+
+
+#: the fingerprint dead_letter_groups shows for jobs with none (a lease expiry before any error, say)
+NO_ERROR_RECORDED = "(no error recorded)"
 
 
 def set_paused(

@@ -352,6 +352,24 @@ def test_dead_letter_groups_group_by_fingerprint(wconn: db.Conn, workload: dict[
     assert set(ops.group_job_ids(wconn, "t.unknown", "KeyError: '<*>'")) == set(workload["unknown"])
 
 
+def test_a_dead_letter_group_without_a_fingerprint_and_the_newest_ids_first(conn: db.Conn) -> None:
+    """Jobs with no error recorded (a lease lost before any error) form a group of their own, named
+    "(no error recorded)"; a group lists its newest jobs first, at most max_ids of them."""
+    ids = []
+    for i in range(5):
+        ids.append(enqueue(conn, "t.ok", {}).id)
+        conn.execute(
+            "UPDATE job_queue SET state = 'dead_lettered', finished_at = now() + %s * interval '1 second'"
+            " WHERE id = %s",
+            (i, ids[-1]),
+        )
+    [group] = stats.dead_letter_groups(conn, max_ids=3)
+    assert (group.job_type, group.fingerprint, group.count) == ("t.ok", "(no error recorded)", 5)
+    assert group.job_ids == ids[::-1][:3]
+    assert sorted(ops.group_job_ids(conn, "t.ok", "(no error recorded)")) == sorted(ids)
+    assert ops.group_job_ids(conn, "t.ok", "KeyError: '<*>'") == []
+
+
 def test_read_only_connection_reads_but_refuses_every_operator_action(workload: dict[str, Any]) -> None:
     with db.connect(workload["dsn"], read_only=True) as ro:
         before = snapshot(ro)
