@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime as dt
 import json
 import logging
@@ -146,10 +147,39 @@ class UndecodablePayload:
         self.reason = reason
 
 
+#: SQLSTATE classes of the errors a job's own writes bring about at its settlement or its COMMIT: integrity
+#: (a DEFERRABLE constraint checked at COMMIT), data, syntax and access (a search_path the handler changed:
+#: undefined table), a trigger's RAISE. Anything else (a lost connection, whose error has no SQLSTATE, a
+#: read-only server, an idle-in-transaction timeout, internal errors) is an outage, not the job's doing.
+_JOB_MADE_CLASSES = ("22", "23", "42", "P0")
+
+
 def _job_made(e: BaseException) -> bool:
     """An error the server answered our own statement with (its settlement, its COMMIT), caused by what the
     job did in the transaction: not an outage (connection lost, statement cancelled or timed out)."""
-    return isinstance(e, psycopg.DatabaseError) and not isinstance(e, psycopg.OperationalError)
+    state = getattr(e, "sqlstate", None)
+    return isinstance(e, psycopg.DatabaseError) and bool(state) and str(state)[:2] in _JOB_MADE_CLASSES
+
+
+LOST_UNDER_HANDLER = "the connection of the job's transaction was lost while its handler ran"
+
+
+def _lost_under_handler(conn: db.Conn | db.AsyncConn) -> bool:
+    """Whether the job's connection broke while its handler ran (the server ended the session: an
+    idle-in-transaction timeout during a slow call, a failover), though no statement found out yet, or the
+    handler swallowed the error that did. The job's failure then, charged: given back uncharged, a handler
+    that loses its connection itself ran again for ever. Two non-blocking reads of the socket."""
+    if conn.closed or conn.broken:
+        return True
+    pgconn = conn.pgconn
+    try:
+        # twice: the first read takes the server's last message (FATAL: terminating connection...), the
+        # second meets the end of the stream
+        pgconn.consume_input()
+        pgconn.consume_input()
+    except psycopg.OperationalError:
+        return True
+    return pgconn.status == psycopg.pq.ConnStatus.BAD
 
 
 class HandlerFailure(Exception):
@@ -212,9 +242,13 @@ def _notice_end(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
     tags = [r.command_status or b"" for r in cursor._results]
     # ROLLBACK is also ROLLBACK TO SAVEPOINT's tag: it ends the transaction only if nothing is left open
     if idle or any(t.startswith(_ENDING_TAGS) or (t == b"ROLLBACK" and idle) for t in tags):
+        if not slot.tx_ended:
+            # the statement that ended the group's transaction decides (a ROLLBACK and then a COMMIT commit
+            # nothing of the group): COMMIT's tag is ROLLBACK when the transaction had failed, so "COMMIT"
+            # means what came before stays
+            ending = next((t for t in tags if t.startswith(_ENDING_TAGS) or t == b"ROLLBACK"), b"")
+            slot.tx_committed = ending == b"COMMIT"
         slot.tx_ended = True
-        # COMMIT's tag is ROLLBACK when the transaction had failed: "COMMIT" means what came before stays
-        slot.tx_committed = slot.tx_committed or b"COMMIT" in tags
 
 
 def _refuse_abandoned(conn: Any) -> None:
@@ -310,11 +344,28 @@ class JobConnection(psycopg.Connection[dict[str, Any]]):
         super().__exit__(exc_type, exc_val, exc_tb)
 
 
+#: the job whose handler a task belongs to (set for the handler's task, inherited by every task it starts):
+#: the slot's event loop runs job after job, and a task a finished job left behind (the others of a
+#: gather whose first one failed, a fire-and-forget write) must not write into the next job's transaction
+_HANDLER_OF: contextvars.ContextVar[Execution | None] = contextvars.ContextVar("worker_core_handler_of", default=None)
+
+
+def _refuse_left_over(conn: Any) -> None:
+    slot = getattr(conn, "slot", None)
+    owner = _HANDLER_OF.get()
+    if slot is not None and owner is not None and owner is not slot.async_job:
+        raise PermanentError(
+            f"a task of job {owner.job['id']}, finished, used ctx.tx: it would write into another job's"
+            " transaction (await every task a handler starts)"
+        )
+
+
 class AsyncJobCursor(_AbandonedRefused, psycopg.AsyncCursor[dict[str, Any]]):
     """JobCursor for async handlers."""
 
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
         _refuse_abandoned(self.connection)
+        _refuse_left_over(self.connection)
         try:
             return await super().execute(*args, **kwargs)
         finally:
@@ -322,6 +373,7 @@ class AsyncJobCursor(_AbandonedRefused, psycopg.AsyncCursor[dict[str, Any]]):
 
     async def executemany(self, *args: Any, **kwargs: Any) -> None:
         _refuse_abandoned(self.connection)
+        _refuse_left_over(self.connection)
         try:
             await super().executemany(*args, **kwargs)
         finally:
@@ -409,6 +461,8 @@ class Slot:
         self.tx_ended = False
         #: the statement that ended it was a COMMIT: what the group's jobs before it did, committed
         self.tx_committed = False
+        #: the async job whose handler runs (or is being settled) in this slot's loop (_refuse_left_over)
+        self.async_job: Execution | None = None
         #: the watchdog gave up on this slot's thread (Worker._abandon): it opens and sends nothing more
         self.abandoned = False
         #: while a group runs, the connection its transaction is on (see conn): a group never goes on, nor
@@ -731,7 +785,12 @@ class Slot:
         res = conn.pgconn.exec_(sql)
         if res.status != expect:
             if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
-                raise psycopg.errors.error_from_result(res, conn.info.encoding)
+                sqlstate = res.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
+                if sqlstate and conn.pgconn.status != psycopg.pq.ConnStatus.BAD:
+                    raise psycopg.errors.error_from_result(res, conn.info.encoding)
+                # the server closed the connection (no SQLSTATE): an outage, never an error of the job's making
+                message = (res.error_message or b"server closed the connection unexpectedly").decode(errors="replace")
+                raise psycopg.OperationalError(message.strip())
             raise psycopg.OperationalError(f"unexpected result {psycopg.pq.ExecStatus(res.status).name}")
         return res
 
@@ -806,9 +865,10 @@ class Slot:
     def _settle_committed(self, group: Group) -> None:
         """A handler's COMMIT committed what the group's jobs before it did: they are settled succeeded
         (fenced), not given back, where a job without an idempotency key would run, and write, again."""
-        effects, group.effects = group.effects, []
+        effects = group.effects
         with self.conn.transaction():
             rows = self.conn.execute(queries["settle_succeeded_many"], settle_many_params(self.w, effects)).fetchall()
+        group.effects = []  # settled (or another worker's): if the statement failed, they are given back
         held = {r["id"] for r in rows}
         for done in effects:
             if done.job["id"] in held:
@@ -924,6 +984,9 @@ class Slot:
             ctx._on_tx = open_savepoint
             self.tx_ended = self.tx_committed = False
             self._call_sync(ex, task)
+            pinned = self._pinned
+            if pinned is not None and _lost_under_handler(pinned):
+                raise HandlerFailure(psycopg.OperationalError(LOST_UNDER_HANDLER))
             status = self.conn.pgconn.transaction_status if opened else None
             if self.tx_ended or status == psycopg.pq.TransactionStatus.IDLE:
                 raise TxEnded()
@@ -1051,6 +1114,8 @@ class Slot:
             raise
         if self.tx_ended:
             raise HandlerFailure(_tx_ended_error())
+        if (ex.ctx.tx_used or job["idempotency_key"]) and _lost_under_handler(conn):
+            raise HandlerFailure(psycopg.OperationalError(LOST_UNDER_HANDLER))
         if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
             raise HandlerFailure(_swallowed_error())
         if not ex.ctx.tx_used and not job["idempotency_key"]:
@@ -1151,6 +1216,7 @@ class Slot:
             self._aconn = None
             raise HandlerFailure(e) from None
         finally:
+            self.async_job = None  # from here, a task of this job that uses ctx.tx is refused
             if self._loop is not loop:
                 loop.close()  # dropped (see _forsake_loop): what is still pending in it never runs
             self._end_handler(ex)
@@ -1184,7 +1250,12 @@ class Slot:
             self._begin_handler(ex, ASYNC_GRACE_MARGIN)
             self.handler_running = True  # ctx.tx is the handler's until it is done (AsyncJobConnection)
             try:
-                handler = asyncio.ensure_future(task.fn(ctx, job["payload"]))
+                self.async_job = ex
+                owner = _HANDLER_OF.set(ex)  # the handler's task, and every task it starts, belong to ex
+                try:
+                    handler = asyncio.ensure_future(task.fn(ctx, job["payload"]))
+                finally:
+                    _HANDLER_OF.reset(owner)
                 deadline = time.monotonic() + job["timeout_seconds"]
                 while not handler.done():
                     await asyncio.wait({handler}, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
@@ -1196,13 +1267,10 @@ class Slot:
                         handler.cancel()
                         await asyncio.wait({handler}, timeout=self.w.config.cancel_grace)
                         break
-                clean = handler.done() and await self._cancel_leftovers()
             finally:
                 self.handler_running = False
-            if not clean:
+            if not handler.done():
                 self._forsake_loop(aconn)
-                if handler.done():
-                    raise HandlerFailure(RuntimeError("the handler left tasks running that ignored their cancellation"))
             if self.tx_ended:  # before its own verdict: see _run_sync
                 raise HandlerFailure(_tx_ended_error())
             if ctx.cancelled:
@@ -1215,6 +1283,8 @@ class Slot:
                 raise HandlerFailure(asyncio.CancelledError("the handler's task ended cancelled"))
             if handler.exception() is not None:
                 raise HandlerFailure(handler.exception())
+            if (ctx.tx_used or job["idempotency_key"]) and _lost_under_handler(aconn):
+                raise HandlerFailure(psycopg.OperationalError(LOST_UNDER_HANDLER))
             if aconn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
                 raise HandlerFailure(_swallowed_error())
             if not ctx.tx_used and not job["idempotency_key"]:
@@ -1235,22 +1305,6 @@ class Slot:
                 except psycopg.Error:
                     await aconn.close()
             raise
-
-    async def _cancel_leftovers(self) -> bool:
-        """Tasks the handler started and left running (the others of an ``asyncio.gather`` whose first one
-        failed, a fire-and-forget write): cancelled now. The slot's loop runs the next job, and a leftover
-        write would land in that job's transaction and commit with it. False if some ignored it."""
-        me = asyncio.current_task()
-        left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
-        if not left:
-            return True
-        for t in left:
-            t.cancel()
-        done, pending = await asyncio.wait(left, timeout=self.w.config.cancel_grace)
-        for t in done:
-            if not t.cancelled():
-                t.exception()  # retrieved: asyncio would log it as never retrieved
-        return not pending
 
     def _forsake_loop(self, aconn: db.AsyncConn) -> None:
         """The handler swallowed its cancellation and is still a task of this slot's event loop, holding

@@ -315,10 +315,11 @@ def _search_query(
     for states, condition, order in _ACTIVITY_SOURCES:
         if state and JobState(state) not in states:
             continue
-        # the newest of the kind, and the filters (type, queue, state) on them, not in the cap: a rare type
-        # inside it read the whole index to find SEARCH_SCAN_ROWS of it
+        # the newest of the kind that pass the filters (type, queue, state): a failed job older than the
+        # newest 50,000 successes is still found by a search on failed jobs (job_queue_unsuccessful_idx
+        # keeps that cheap; a rare type reads further)
         newest = sql.SQL("(SELECT * FROM job_queue WHERE {cond} ORDER BY {order} LIMIT %(scan)s) AS newest").format(
-            cond=sql.SQL(condition), order=sql.SQL(order)
+            cond=sql.SQL(" AND ").join([sql.SQL(condition), *where]), order=sql.SQL(order)
         )
         arms.append(arm("(dedup_key = %(search)s OR lock_key = %(search)s OR last_error ILIKE %(like)s)", newest))
     query = sql.SQL("SELECT {cols} FROM ({arms}) AS j ORDER BY updated_at DESC, id LIMIT %(limit)s").format(

@@ -169,8 +169,8 @@ class Worker:
         self._want_solo = True
         #: (job_type, queue scope, max running) of the limited types this worker handles; refreshed on heartbeats
         self._limits: list[tuple[str, str, int]] = []
-        #: types whose group commit the server refused for something a job did (Worker.ungroup)
-        self._ungrouped: set[str] = set()
+        #: types whose group commit the server refused for something a job did, until when (Worker.ungroup)
+        self._ungrouped_until: dict[str, float] = {}
         self._paused: list[str] = []
         self._filters_at: float | None = None
         self._limit_turn = 0
@@ -502,7 +502,7 @@ class Worker:
         type whose groups hold n (its measured handler time, see _hand_out). A slot running a group of fast
         jobs is as busy as one running a slow job: counting jobs instead held one or two groups in flight
         for all the slots."""
-        if job["lock_key"] or job["ran_solo"]:
+        if job["lock_key"] or job["ran_solo"] or (self._ungrouped_until and self._is_ungrouped(job["job_type"])):
             return 1.0
         return self._type_load.get(job["job_type"], 1.0)  # a type not measured yet counts as slow
 
@@ -859,13 +859,27 @@ class Worker:
                 return
         slot.close()
 
+    #: how long a type runs one job per transaction after its group's commit was refused (Worker.ungroup)
+    UNGROUP_SECONDS = 600.0
+
     def ungroup(self, job_types: Iterable[str], why: str) -> None:
-        """These types' jobs run one per transaction in this worker from now on (Slot.run_group)."""
-        new = set(job_types) - self._ungrouped
+        """These types' jobs run one per transaction in this worker for a while (Slot.run_group), where the
+        job that broke the group's commit fails by itself."""
+        until = time.monotonic() + self.UNGROUP_SECONDS
+        new = sorted(t for t in job_types if t not in self._ungrouped)
+        for t in job_types:
+            self._ungrouped_until[t] = until
         if new:
-            self._ungrouped |= new
-            self.log.warning("a group's commit failed (%s): %s run one job per transaction from now on", why,
-                             ", ".join(sorted(new)))  # fmt: skip
+            self.log.warning("a group's commit failed (%s): %s run one job per transaction for %.0f s", why,
+                             ", ".join(new), self.UNGROUP_SECONDS)  # fmt: skip
+
+    def _is_ungrouped(self, job_type: str) -> bool:
+        return self._ungrouped_until.get(job_type, 0.0) > time.monotonic()
+
+    @property
+    def _ungrouped(self) -> set[str]:
+        now = time.monotonic()
+        return {t for t, until in self._ungrouped_until.items() if until > now}
 
     def groupable(self, ex: Execution) -> bool:
         job = ex.job
@@ -873,7 +887,7 @@ class Worker:
         return (
             self.config.group_max > 1
             and task is not None
-            and job["job_type"] not in self._ungrouped
+            and not (self._ungrouped_until and self._is_ungrouped(job["job_type"]))
             and not isinstance(job.get("payload"), UndecodablePayload)
             and not task.is_async
             and not job["lock_key"]

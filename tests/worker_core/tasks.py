@@ -418,3 +418,17 @@ def idle_too_long(ctx: JobContext, payload: dict[str, Any]) -> None:
     if ctx.attempt == 1:
         time.sleep(1.2)
     _ledger(ctx, payload)
+
+
+@worker_core.task("t.idle_quiet", retry=FAST, timeout=20, max_attempts=3, reason="tests need fast, bounded retries")
+def idle_quiet(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """t.idle_too_long that, on its first attempt, does not touch ctx.tx after its slow call (the next job
+    of its group would find the connection gone) or, with ``swallow``, touches it and swallows the error."""
+    if ctx.attempt == 1:
+        ctx.tx.execute("SET idle_in_transaction_session_timeout = '500ms'")
+    _ledger(ctx, payload)
+    if ctx.attempt == 1:
+        time.sleep(1.2)
+        if payload.get("swallow"):
+            with contextlib.suppress(psycopg.OperationalError):  # a "best effort" write
+                _ledger(ctx, payload)

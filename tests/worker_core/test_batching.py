@@ -580,7 +580,8 @@ def test_a_group_whose_connection_is_lost_midway_does_not_settle_its_earlier_job
     a = enqueue(conn, "t.ledger", {"item": "A"}, idempotency_key="gA", priority=0).id
     b = enqueue(conn, "t.cut_group_conn", {"item": "B"}, idempotency_key="gB", priority=1).id
     conn.commit()
-    _run_measured(dsn, ("t.ledger", "t.cut_group_conn"))
+    w = _run_measured(dsn, ("t.ledger", "t.cut_group_conn"))
+    assert not w._ungrouped  # a lost connection is an outage: the types stay grouped
     assert [state(dsn, j) for j in (a, b)] == ["succeeded", "succeeded"]
     assert sorted(r["item"] for r in ledger(dsn)) == ["A", "B"]  # each effect once, none lost
     assert job(dsn, a)["errors"] == [] and job(dsn, a)["attempts"] == 1

@@ -138,3 +138,64 @@ def test_a_neighbours_commit_does_not_run_the_keyless_jobs_before_it_twice(dsn: 
     assert [state(dsn, j) for j in before] == ["succeeded"] * 3
     assert state(dsn, committer) == "failed"
     assert sorted(r["item"] for r in ledger(dsn) if r["item"].startswith("b")) == ["b0", "b1", "b2"]
+
+
+def test_a_connection_lost_during_a_quiet_handler_charges_it_not_the_next_job(dsn: str, conn: db.Conn) -> None:
+    # its slow call outlived the session's idle timeout but it did not touch ctx.tx after it: the next job of
+    # the group met the lost connection and was charged for it
+    quiet = enqueue(conn, "t.idle_quiet", {"item": "q"}, priority=0).id
+    nxt = enqueue(conn, "t.ledger", {"item": "n"}, idempotency_key="n1", priority=1).id
+    conn.commit()
+    run_grouped(dsn, ("t.idle_quiet", "t.ledger"))
+    assert (state(dsn, quiet), job(dsn, quiet)["attempts"]) == ("succeeded", 2)
+    assert (state(dsn, nxt), job(dsn, nxt)["errors"]) == ("succeeded", [])
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "grouped"])
+def test_a_handler_that_swallows_its_lost_connection_is_charged_not_looped(
+    dsn: str, conn: db.Conn, grouped: bool
+) -> None:
+    j = enqueue(conn, "t.idle_quiet", {"item": "s", "swallow": True}).id
+    conn.commit()
+    w = run_grouped(dsn, ("t.idle_quiet",)) if grouped else run_burst(dsn, group_max=1)
+    assert (state(dsn, j), job(dsn, j)["attempts"]) == ("succeeded", 2)
+    assert w._ungrouped == set()  # a lost connection is not an error of a job's writes
+
+
+def test_a_rollback_then_a_commit_commits_nothing_of_the_group(dsn: str, conn: db.Conn) -> None:
+    # the statement that ended the transaction decides: ROLLBACK threw the earlier jobs' writes away, and
+    # the COMMIT after it committed nothing of theirs; taken for committed, they were settled succeeded
+    # with their writes gone
+    before = [enqueue(conn, "t.ok", {"ledger": True, "item": f"b{i}"}, priority=0).id for i in range(3)]
+    enqueue(conn, "t.raw_commit", {"item": "c", "end": "ROLLBACK; COMMIT"}, priority=1)
+    conn.commit()
+    run_grouped(dsn, ("t.ok", "t.raw_commit"))
+    assert [state(dsn, j) for j in before] == ["succeeded"] * 3
+    assert sorted(r["item"] for r in ledger(dsn) if r["item"].startswith("b")) == ["b0", "b1", "b2"]
+
+
+def test_a_database_restart_is_an_outage_not_an_error_of_the_jobs(dsn: str, conn: db.Conn) -> None:
+    # every connection of the worker ended (a restart, a failover): the next group's first statement met a
+    # closed connection, whose error has no SQLSTATE, and that was taken for an error of the jobs' making:
+    # their types went ungrouped, one transaction per job from then on
+    from tests.worker_core.helpers import running_worker, wait_for
+
+    def batch(tag: str) -> list[Any]:
+        ids = [enqueue(conn, "t.ledger", {"item": f"{tag}{i}"}, idempotency_key=f"{tag}{i}").id for i in range(4)]
+        conn.commit()
+        return ids
+
+    with running_worker(dsn, **GROUPED) as w:
+        w.observe_handler("t.ledger", 0.01)
+        first = batch("a")
+        wait_for(lambda: all(state(dsn, j) == "succeeded" for j in first), 20)
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        )
+        conn.commit()
+        second = batch("b")
+        wait_for(lambda: all(state(dsn, j) == "succeeded" for j in second), 30)
+        assert w._ungrouped == set()
+    expected = sorted([*(f"a{i}" for i in range(4)), *(f"b{i}" for i in range(4))])
+    assert sorted(r["item"] for r in ledger(dsn)) == expected
