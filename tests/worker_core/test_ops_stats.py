@@ -277,6 +277,23 @@ def test_a_search_reads_indexes_never_every_finished_row(conn: db.Conn, monkeypa
     assert len(errors) == 3 and all(e.startswith("boom 17") for e in errors)
 
 
+def test_a_filtered_search_finds_older_matches_beyond_the_newest_jobs(
+    conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stats, "SEARCH_SCAN_ROWS", 1000)
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error)"
+        " SELECT 't.ok', 'default', '{}', 'failed', now() - interval '1 day' - g * interval '1 s', 'boom'"
+        " FROM generate_series(1, 5) AS g"
+    )
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at)"
+        " SELECT 't.ok', 'default', '{}', 'succeeded', now() - g * interval '1 ms' FROM generate_series(1, 5000) g"
+    )
+    assert len(stats.list_jobs(conn, search="boom", state="failed")) == 5  # the filter picks the kind's newest
+    assert len(stats.list_jobs(conn, search="boom")) == 0  # unfiltered, the newest 1,000 finished hold none
+
+
 def test_the_consoles_reads_of_unsuccessful_jobs_do_not_grow_with_the_finished_table(
     conn: db.Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
