@@ -28,6 +28,7 @@ import math
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -162,6 +163,8 @@ def _job_made(e: BaseException) -> bool:
 
 
 LOST_UNDER_HANDLER = "the connection of the job's transaction was lost while its handler ran"
+#: a job given back uncharged for database errors around it more often than this (in one worker) is charged
+MAX_UNCHARGED_GIVE_BACKS = 3
 
 
 def _lost_under_handler(conn: db.Conn | db.AsyncConn) -> bool:
@@ -243,11 +246,10 @@ def _notice_end(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
     # ROLLBACK is also ROLLBACK TO SAVEPOINT's tag: it ends the transaction only if nothing is left open
     if idle or any(t.startswith(_ENDING_TAGS) or (t == b"ROLLBACK" and idle) for t in tags):
         if not slot.tx_ended:
-            # the statement that ended the group's transaction decides (a ROLLBACK and then a COMMIT commit
-            # nothing of the group): COMMIT's tag is ROLLBACK when the transaction had failed, so "COMMIT"
-            # means what came before stays
-            ending = next((t for t in tags if t.startswith(_ENDING_TAGS) or t == b"ROLLBACK"), b"")
-            slot.tx_committed = ending == b"COMMIT"
+            # the statement that ended the group's transaction decides. COMMIT's tag is ROLLBACK when the
+            # transaction had failed, so "COMMIT" means what came before stays, unless the server warned
+            # that no transaction was in progress (a ROLLBACK ended it first: _on_notice)
+            slot.tx_committed = b"COMMIT" in tags and not slot.no_transaction_warning
         slot.tx_ended = True
 
 
@@ -275,10 +277,12 @@ class _AbandonedRefused:
 
     def stream(self, *args: Any, **kwargs: Any) -> Any:
         _refuse_abandoned(self.connection)
+        _refuse_left_over(self.connection)
         return super().stream(*args, **kwargs)  # type: ignore[misc]
 
     def copy(self, *args: Any, **kwargs: Any) -> Any:
         _refuse_abandoned(self.connection)
+        _refuse_left_over(self.connection)
         return super().copy(*args, **kwargs)  # type: ignore[misc]
 
 
@@ -289,6 +293,7 @@ class JobCursor(_AbandonedRefused, psycopg.Cursor[dict[str, Any]]):
 
     def execute(self, *args: Any, **kwargs: Any) -> Any:
         _refuse_abandoned(self.connection)
+        _statement_starts(self.connection)
         try:
             return super().execute(*args, **kwargs)
         finally:
@@ -296,10 +301,29 @@ class JobCursor(_AbandonedRefused, psycopg.Cursor[dict[str, Any]]):
 
     def executemany(self, *args: Any, **kwargs: Any) -> None:
         _refuse_abandoned(self.connection)
+        _statement_starts(self.connection)
         try:
             super().executemany(*args, **kwargs)
         finally:
             _notice_end(self)
+
+
+def _statement_starts(conn: Any) -> None:
+    slot = getattr(conn, "slot", None)
+    if slot is not None:
+        slot.no_transaction_warning = False
+
+
+def _on_notice(slot: Slot) -> Callable[[psycopg.errors.Diagnostic], None]:
+    """The warning a COMMIT sent outside any transaction draws (25P01): with it, that COMMIT committed
+    nothing (``ROLLBACK; COMMIT``); without it, a COMMIT whose statement also rolled back to a savepoint
+    (``ROLLBACK TO SAVEPOINT s; COMMIT``, the same command tags) committed what came before."""
+
+    def notice(diag: psycopg.errors.Diagnostic) -> None:
+        if diag.sqlstate == "25P01":
+            slot.no_transaction_warning = True
+
+    return notice
 
 
 class TxEnded(Exception):
@@ -390,10 +414,12 @@ class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
     async def commit(self) -> None:
         _refuse(self.slot, "commit")
         _refuse_abandoned(self)  # its settlement too: the slot that replaced it settles the job
+        _refuse_left_over(self)
         await super().commit()
 
     async def rollback(self) -> None:
         _refuse(self.slot, "roll back")
+        _refuse_left_over(self)
         await super().rollback()
 
     async def set_autocommit(self, value: bool) -> None:
@@ -463,6 +489,8 @@ class Slot:
         self.tx_committed = False
         #: the async job whose handler runs (or is being settled) in this slot's loop (_refuse_left_over)
         self.async_job: Execution | None = None
+        #: the server warned, during the last statement of ctx.tx, that no transaction was in progress
+        self.no_transaction_warning = False
         #: the watchdog gave up on this slot's thread (Worker._abandon): it opens and sends nothing more
         self.abandoned = False
         #: while a group runs, the connection its transaction is on (see conn): a group never goes on, nor
@@ -488,6 +516,7 @@ class Slot:
             conn = cast(JobConnection, db.connect(self.w.dsn, application_name=name, cls=JobConnection))
             conn.slot = self
             conn.cursor_factory = JobCursor
+            conn.add_notice_handler(_on_notice(self))
             conn.backend_pid = conn.info.backend_pid
             self._conn = conn
             if self.abandoned:  # while it connected: nothing of it may reach the server through it
@@ -643,10 +672,19 @@ class Slot:
                 self.reset()
                 self._after_failure(ex, e)
             else:
-                # our own statements failed (database outage): the effect did not commit; give the job back
+                # our own statements failed (database outage): the effect did not commit; give the job back,
+                # uncharged, but not for ever: a job given back so again and again, by a database that
+                # answers all along (its handler made the transaction read-only, or set a lock_timeout its
+                # settlement meets), is charged (given back uncharged, it never reached its dead letters)
                 self.reset()
-                ctx.logger.warning("database error around the job: %s", db.redact(str(e).strip(), w.dsn))
-                self.release(ex, 0.0)
+                why = db.redact(str(e).strip(), w.dsn)
+                times = w.given_back_for_errors(job["id"])
+                if times > MAX_UNCHARGED_GIVE_BACKS:
+                    ctx.logger.warning("database error around the job, %d times: charged (%s)", times, why)
+                    self._after_failure(ex, e)
+                else:
+                    ctx.logger.warning("database error around the job: %s", why)
+                    self.release(ex, 0.0)
         finally:
             if not ex.abandoned:  # else the slot that replaces this one finishes the job
                 self._finish(ex, t0)
@@ -756,7 +794,14 @@ class Slot:
                 kinds = sorted({x.job["job_type"] for x in [*group.effects, *group.done, *group.waiting]})
                 w.ungroup(kinds, db.redact(str(e).strip(), w.dsn))
             elif isinstance(e, psycopg.Error):
-                w.log.warning("database error around a group of jobs: %s", db.redact(str(e).strip(), w.dsn))
+                why = db.redact(str(e).strip(), w.dsn)
+                w.log.warning("database error around a group of jobs: %s", why)
+                again = [x for x in [*group.effects, *([current] if current else [])]
+                         if w.given_back_for_errors(x.job["id"]) > 1]  # fmt: skip
+                if again:
+                    # the same jobs' group failed before: they run alone next, where one that keeps causing
+                    # it is charged (MAX_UNCHARGED_GIVE_BACKS)
+                    w.ungroup(sorted({x.job["job_type"] for x in again}), why)
                 if isinstance(e, psycopg.OperationalError) and group.waiting:
                     # the server is likely gone: the jobs not begun, given back at once, would come straight
                     # back here, round and round, a warning each time
@@ -1283,8 +1328,14 @@ class Slot:
                 raise HandlerFailure(asyncio.CancelledError("the handler's task ended cancelled"))
             if handler.exception() is not None:
                 raise HandlerFailure(handler.exception())
-            if (ctx.tx_used or job["idempotency_key"]) and _lost_under_handler(aconn):
-                raise HandlerFailure(psycopg.OperationalError(LOST_UNDER_HANDLER))
+            if ctx.tx_used or job["idempotency_key"]:
+                # under the connection's lock: a statement one of its tasks still has in flight gets its
+                # reply first (read here, it would be taken from under that statement, which then waits
+                # for ever)
+                async with aconn.lock:
+                    lost = _lost_under_handler(aconn)
+                if lost:
+                    raise HandlerFailure(psycopg.OperationalError(LOST_UNDER_HANDLER))
             if aconn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
                 raise HandlerFailure(_swallowed_error())
             if not ctx.tx_used and not job["idempotency_key"]:

@@ -171,6 +171,8 @@ class Worker:
         self._limits: list[tuple[str, str, int]] = []
         #: types whose group commit the server refused for something a job did, until when (Worker.ungroup)
         self._ungrouped_until: dict[str, float] = {}
+        #: job id -> times it was given back uncharged for a database error here (given_back_for_errors)
+        self._given_back: dict[Any, int] = {}
         self._paused: list[str] = []
         self._filters_at: float | None = None
         self._limit_turn = 0
@@ -872,6 +874,15 @@ class Worker:
         if new:
             self.log.warning("a group's commit failed (%s): %s run one job per transaction for %.0f s", why,
                              ", ".join(new), self.UNGROUP_SECONDS)  # fmt: skip
+
+    def given_back_for_errors(self, job_id: Any) -> int:
+        """Count one more time this job was given back uncharged for a database error around it (Slot);
+        return how many times that was, in this worker."""
+        with self._slot_free:
+            if len(self._given_back) > 10_000:
+                self._given_back.clear()  # bounded: a long outage gives back many jobs once each
+            n = self._given_back[job_id] = self._given_back.get(job_id, 0) + 1
+        return n
 
     def _is_ungrouped(self, job_type: str) -> bool:
         return self._ungrouped_until.get(job_type, 0.0) > time.monotonic()

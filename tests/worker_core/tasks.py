@@ -432,3 +432,23 @@ def idle_quiet(ctx: JobContext, payload: dict[str, Any]) -> None:
         if payload.get("swallow"):
             with contextlib.suppress(psycopg.OperationalError):  # a "best effort" write
                 _ledger(ctx, payload)
+
+
+@worker_core.task("t.read_only_tx", retry=FAST, max_attempts=3, reason="tests need fast, bounded retries")
+def read_only_tx(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Makes its transaction read-only: the worker's settlement in it fails with 25006, as on a read-only
+    server, though the server is fine and answers."""
+    ctx.tx.execute("SET TRANSACTION READ ONLY")
+
+
+@worker_core.task("t.async_fire_and_forget", retry=FAST, timeout=5, reason="tests need fast, bounded retries")
+async def async_fire_and_forget(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes, then starts a write it does not await, and returns while that write is in flight."""
+    await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, "f", ctx.attempt)
+    )
+    _background.add(asyncio.ensure_future(ctx.tx.execute("SELECT 1")))
+    await asyncio.sleep(0.01)  # the statement is sent, its reply waits in the socket when the handler returns
+
+
+_background: set[Any] = set()

@@ -199,3 +199,39 @@ def test_a_database_restart_is_an_outage_not_an_error_of_the_jobs(dsn: str, conn
         assert w._ungrouped == set()
     expected = sorted([*(f"a{i}" for i in range(4)), *(f"b{i}" for i in range(4))])
     assert sorted(r["item"] for r in ledger(dsn)) == expected
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "grouped"])
+def test_a_handler_that_makes_its_settlement_fail_like_an_outage_is_charged_in_the_end(
+    dsn: str, conn: db.Conn, grouped: bool
+) -> None:
+    # SET TRANSACTION READ ONLY: the settlement fails with 25006, what a read-only server answers too; given
+    # back uncharged each time, the job ran for ever. It is charged after MAX_UNCHARGED_GIVE_BACKS
+    j = enqueue(conn, "t.read_only_tx", {}, idempotency_key="ro1").id
+    conn.commit()
+    run_grouped(dsn, ("t.read_only_tx",)) if grouped else run_burst(dsn, group_max=1, timeout=60)
+    assert (state(dsn, j), job(dsn, j)["attempts"]) == ("dead_lettered", 3)
+    assert {e["class"] for e in job(dsn, j)["errors"]} == {"ReadOnlySqlTransaction"}
+
+
+def test_a_rollback_to_a_savepoint_then_a_commit_commits_the_group_before_it(dsn: str, conn: db.Conn) -> None:
+    # its command tags are those of ROLLBACK; COMMIT, but no warning that no transaction was in progress
+    # came: the COMMIT committed the jobs before it, which must not run (and write) again
+    before = [enqueue(conn, "t.ok", {"ledger": True, "item": f"b{i}"}, priority=0).id for i in range(3)]
+    enqueue(conn, "t.raw_commit", {"item": "c", "end": "SAVEPOINT s; ROLLBACK TO SAVEPOINT s; COMMIT"}, priority=1)
+    conn.commit()
+    run_grouped(dsn, ("t.ok", "t.raw_commit"))
+    assert [state(dsn, j) for j in before] == ["succeeded"] * 3
+    assert sorted(r["item"] for r in ledger(dsn) if r["item"].startswith("b")) == ["b0", "b1", "b2"]
+
+
+def test_an_async_handler_returning_with_a_statement_in_flight_does_not_hang_its_slot(
+    dsn: str, conn: db.Conn
+) -> None:
+    # the check for a lost connection read the socket under that statement, took its reply, and the
+    # statement (and the settlement behind it) waited until the job's timeout
+    ids = [enqueue(conn, "t.async_fire_and_forget", {}).id for _ in range(30)]
+    conn.commit()
+    w = run_burst(dsn, concurrency=2, timeout=60)
+    assert [state(dsn, j) for j in ids] == ["succeeded"] * 30
+    assert w.zombies == 0 and len(ledger(dsn)) == 30
