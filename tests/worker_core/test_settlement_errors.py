@@ -162,18 +162,6 @@ def test_a_handler_that_swallows_its_lost_connection_is_charged_not_looped(
     assert w._ungrouped == set()  # a lost connection is not an error of a job's writes
 
 
-def test_a_rollback_then_a_commit_commits_nothing_of_the_group(dsn: str, conn: db.Conn) -> None:
-    # the statement that ended the transaction decides: ROLLBACK threw the earlier jobs' writes away, and
-    # the COMMIT after it committed nothing of theirs; taken for committed, they were settled succeeded
-    # with their writes gone
-    before = [enqueue(conn, "t.ok", {"ledger": True, "item": f"b{i}"}, priority=0).id for i in range(3)]
-    enqueue(conn, "t.raw_commit", {"item": "c", "end": "ROLLBACK; COMMIT"}, priority=1)
-    conn.commit()
-    run_grouped(dsn, ("t.ok", "t.raw_commit"))
-    assert [state(dsn, j) for j in before] == ["succeeded"] * 3
-    assert sorted(r["item"] for r in ledger(dsn) if r["item"].startswith("b")) == ["b0", "b1", "b2"]
-
-
 def test_a_database_restart_is_an_outage_not_an_error_of_the_jobs(dsn: str, conn: db.Conn) -> None:
     # every connection of the worker ended (a restart, a failover): the next group's first statement met a
     # closed connection, whose error has no SQLSTATE, and that was taken for an error of the jobs' making:
@@ -214,11 +202,18 @@ def test_a_handler_that_makes_its_settlement_fail_like_an_outage_is_charged_in_t
     assert {e["class"] for e in job(dsn, j)["errors"]} == {"ReadOnlySqlTransaction"}
 
 
-def test_a_rollback_to_a_savepoint_then_a_commit_commits_the_group_before_it(dsn: str, conn: db.Conn) -> None:
-    # its command tags are those of ROLLBACK; COMMIT, but no warning that no transaction was in progress
-    # came: the COMMIT committed the jobs before it, which must not run (and write) again
+@pytest.mark.parametrize(
+    "end",
+    ["ROLLBACK; COMMIT", "SAVEPOINT s; ROLLBACK TO SAVEPOINT s; COMMIT"],
+    ids=["rollback-then-commit", "savepoint-rollback-then-commit"],
+)
+def test_whether_a_neighbours_commit_committed_the_group_before_it(dsn: str, conn: db.Conn, end: str) -> None:
+    # the same command tags, opposite outcomes. ROLLBACK; COMMIT committed nothing of the jobs before it:
+    # taken for committed, they were settled succeeded with their writes gone; they must run again.
+    # ROLLBACK TO SAVEPOINT; COMMIT committed them: given back, the keyless ones wrote twice. The server's
+    # warning that no transaction was in progress (25P01) tells the two apart
     before = [enqueue(conn, "t.ok", {"ledger": True, "item": f"b{i}"}, priority=0).id for i in range(3)]
-    enqueue(conn, "t.raw_commit", {"item": "c", "end": "SAVEPOINT s; ROLLBACK TO SAVEPOINT s; COMMIT"}, priority=1)
+    enqueue(conn, "t.raw_commit", {"item": "c", "end": end}, priority=1)
     conn.commit()
     run_grouped(dsn, ("t.ok", "t.raw_commit"))
     assert [state(dsn, j) for j in before] == ["succeeded"] * 3
