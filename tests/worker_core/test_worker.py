@@ -473,42 +473,33 @@ def test_jobs_sharing_a_lock_key_never_overlap(conn: db.Conn, dsn: str) -> None:
     assert metric(dsn, "started") == 5  # a rescheduled contention is no attempt started
 
 
+@pytest.mark.parametrize(
+    ("heartbeat", "thief_lease", "runs_after"),
+    [(0.1, 1.0, 0.0), (30.0, 2.5, 2.0)],
+    ids=["seen-by-a-heartbeat", "caught-at-the-commit"],
+)
 def test_a_job_that_loses_its_lock_key_lease_while_it_runs_commits_nothing_and_runs_again(
-    conn: db.Conn, dsn: str
+    conn: db.Conn, dsn: str, heartbeat: float, thief_lease: float, runs_after: float
 ) -> None:
-    # 0.3 s into its 1.5 s, another holder has the lease (this one's ran out, say): the heartbeat cannot
-    # extend it. The job must not commit what it did without the lock; it runs again once the lock is free
+    # during its 1.5 s another holder takes the lease (this one's ran out, say). A heartbeat sees it; with
+    # no heartbeat in the job's time (a stalled process outlived its lease), the check in the job's own
+    # transaction before its commit does. Nothing is committed without the lock; the job runs again once
+    # the lock is free, its attempt given back
     j = enqueue(conn, "t.locked", {"seconds": 1.5}, lock_key="order:stolen").id
     conn.commit()
-    with running_worker(dsn, heartbeat_interval=0.1, lock_contention_delay=0.2):
+    with running_worker(dsn, heartbeat_interval=heartbeat, lock_contention_delay=0.2):
         wait_for(lambda: scalar(dsn, "SELECT count(*) FROM resource_locks") == 1, 10, what="the lock to be taken")
         time.sleep(0.3)
         stolen_at = scalar(
             dsn,
-            "UPDATE resource_locks SET token = 'thief', expires_at = now() + interval '1 second'"
+            "UPDATE resource_locks SET token = 'thief', expires_at = now() + make_interval(secs => %s)"
             " WHERE lock_key = 'order:stolen' RETURNING now()",
+            (thief_lease,),
         )
         wait_for(lambda: state(dsn, j) == "succeeded", 20, what="the job to run again and succeed")
     rows = conn.execute("SELECT started FROM intervals WHERE job_id = %s", (j,)).fetchall()
-    assert len(rows) == 1 and rows[0]["started"] > stolen_at  # the run that held the lock, only
-    assert job(dsn, j)["attempts"] == 1  # given back, not failed
-
-
-def test_a_lock_lost_between_two_heartbeats_is_caught_at_the_commit(conn: db.Conn, dsn: str) -> None:
-    # no heartbeat in the job's 1.5 s: only the check in the job's transaction, before its commit, sees that
-    # another holder has the lock (a stalled process outlived its lease). Nothing commits without the lock.
-    j = enqueue(conn, "t.locked", {"seconds": 1.5}, lock_key="order:stolen").id
-    conn.commit()
-    with running_worker(dsn, heartbeat_interval=30, lock_contention_delay=0.2):
-        wait_for(lambda: scalar(dsn, "SELECT count(*) FROM resource_locks") == 1, 10, what="the lock to be taken")
-        stolen_at = scalar(
-            dsn,
-            "UPDATE resource_locks SET token = 'thief', expires_at = now() + interval '2.5 seconds'"
-            " WHERE lock_key = 'order:stolen' RETURNING now()",
-        )
-        wait_for(lambda: state(dsn, j) == "succeeded", 20, what="the job to run again and succeed")
-    rows = conn.execute("SELECT started FROM intervals WHERE job_id = %s", (j,)).fetchall()
-    assert len(rows) == 1 and rows[0]["started"] > stolen_at + dt.timedelta(seconds=2)  # after the thief's lease
+    # the run that held the lock, only
+    assert len(rows) == 1 and rows[0]["started"] > stolen_at + dt.timedelta(seconds=runs_after)
     assert job(dsn, j)["attempts"] == 1  # given back, not failed
 
 
