@@ -95,6 +95,8 @@ class Execution:
     #: the group it runs in, if any
     group: Group | None = None
     #: its idempotency key was already processed: settled without running the handler
+    #: its handler ran (and returned, raised or was given up on): Slot._end_handler
+    handler_ran: bool = False
     hit: bool = False
     #: its share of a slot while in flight (Worker.job_load)
     load: float = 1.0
@@ -160,6 +162,13 @@ def _job_made(e: BaseException) -> bool:
     job did in the transaction: not an outage (connection lost, statement cancelled or timed out)."""
     state = getattr(e, "sqlstate", None)
     return isinstance(e, psycopg.DatabaseError) and bool(state) and str(state)[:2] in _JOB_MADE_CLASSES
+
+
+def _answered(e: BaseException) -> bool:
+    """The server answered our statement with this error on a live connection: not a lost connection (no
+    SQLSTATE, class 08), too many clients (53) or a shutdown or cancel by an operator (57)."""
+    state = str(getattr(e, "sqlstate", None) or "")
+    return bool(state) and not state.startswith(("08", "53", "57"))
 
 
 LOST_UNDER_HANDLER = "the connection of the job's transaction was lost while its handler ran"
@@ -249,7 +258,7 @@ def _notice_end(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
             # the statement that ended the group's transaction decides. COMMIT's tag is ROLLBACK when the
             # transaction had failed, so "COMMIT" means what came before stays, unless the server warned
             # that no transaction was in progress (a ROLLBACK ended it first: _on_notice)
-            slot.tx_committed = b"COMMIT" in tags and not slot.no_transaction_warning
+            slot.tx_committed = _committed(tags, slot.no_transaction_warnings)
         slot.tx_ended = True
 
 
@@ -308,10 +317,35 @@ class JobCursor(_AbandonedRefused, psycopg.Cursor[dict[str, Any]]):
             _notice_end(self)
 
 
+def _committed(tags: list[bytes], warnings: int) -> bool:
+    """Whether the statement that ended the group's transaction committed it, from its command tags and the
+    number of "no transaction in progress" warnings (25P01) it drew: each COMMIT or ROLLBACK sent outside a
+    transaction draws one. A ROLLBACK tag inside the transaction is either ROLLBACK TO SAVEPOINT (it goes
+    on) or a ROLLBACK (it ends): every reading of the tags that draws as many warnings as came is tried,
+    and the transaction counts as committed only if all of them commit it. Ambiguous means not committed:
+    the jobs before run again (at least once), rather than be settled with their writes gone."""
+    ends = [t for t in tags if t in (b"COMMIT", b"ROLLBACK") or t.startswith(_ENDING_TAGS)]
+    if any(t != b"COMMIT" and t != b"ROLLBACK" for t in ends):
+        return False  # PREPARE TRANSACTION and the like: nothing committed here
+    outcomes = set()
+    rollbacks = [i for i, t in enumerate(ends) if t == b"ROLLBACK"]
+    for choice in range(1 << min(len(rollbacks), 8)):
+        real = {i for n, i in enumerate(rollbacks) if choice >> n & 1}
+        inside, drawn, outcome = True, 0, None
+        for i, t in enumerate(ends):
+            if not inside:
+                drawn += 1
+            elif t == b"COMMIT" or i in real:
+                inside, outcome = False, t == b"COMMIT"
+        if drawn == warnings and outcome is not None:
+            outcomes.add(outcome)
+    return outcomes == {True}
+
+
 def _statement_starts(conn: Any) -> None:
     slot = getattr(conn, "slot", None)
     if slot is not None:
-        slot.no_transaction_warning = False
+        slot.no_transaction_warnings = 0
 
 
 def _on_notice(slot: Slot) -> Callable[[psycopg.errors.Diagnostic], None]:
@@ -321,7 +355,7 @@ def _on_notice(slot: Slot) -> Callable[[psycopg.errors.Diagnostic], None]:
 
     def notice(diag: psycopg.errors.Diagnostic) -> None:
         if diag.sqlstate == "25P01":
-            slot.no_transaction_warning = True
+            slot.no_transaction_warnings += 1
 
     return notice
 
@@ -489,8 +523,9 @@ class Slot:
         self.tx_committed = False
         #: the async job whose handler runs (or is being settled) in this slot's loop (_refuse_left_over)
         self.async_job: Execution | None = None
-        #: the server warned, during the last statement of ctx.tx, that no transaction was in progress
-        self.no_transaction_warning = False
+        #: how often the server warned, during the last statement of ctx.tx, that no transaction was in
+        #: progress (_committed)
+        self.no_transaction_warnings = 0
         #: the watchdog gave up on this slot's thread (Worker._abandon): it opens and sends nothing more
         self.abandoned = False
         #: while a group runs, the connection its transaction is on (see conn): a group never goes on, nor
@@ -678,7 +713,10 @@ class Slot:
                 # settlement meets), is charged (given back uncharged, it never reached its dead letters)
                 self.reset()
                 why = db.redact(str(e).strip(), w.dsn)
-                times = w.given_back_for_errors(job["id"])
+                # counted only where the job may be the cause: its handler ran, and the server answered (an
+                # error with a SQLSTATE, not a lost connection, too many clients or a shutdown)
+                suspect = ex.handler_ran and _answered(e)
+                times = w.given_back_for_errors(job["id"]) if suspect else 0
                 if times > MAX_UNCHARGED_GIVE_BACKS:
                     ctx.logger.warning("database error around the job, %d times: charged (%s)", times, why)
                     self._after_failure(ex, e)
@@ -796,8 +834,7 @@ class Slot:
             elif isinstance(e, psycopg.Error):
                 why = db.redact(str(e).strip(), w.dsn)
                 w.log.warning("database error around a group of jobs: %s", why)
-                again = [x for x in [*group.effects, *([current] if current else [])]
-                         if w.given_back_for_errors(x.job["id"]) > 1]  # fmt: skip
+                again = [x for x in group.effects if _answered(e) and w.given_back_for_errors(x.job["id"]) > 1]
                 if again:
                     # the same jobs' group failed before: they run alone next, where one that keeps causing
                     # it is charged (MAX_UNCHARGED_GIVE_BACKS)
@@ -1212,6 +1249,7 @@ class Slot:
 
     def _end_handler(self, ex: Execution) -> None:
         self.handler_running = False
+        ex.handler_ran = True
         with self.w._exec_lock:
             ex.deadline = None
             if ex.abandoned:

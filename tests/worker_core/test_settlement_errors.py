@@ -204,8 +204,8 @@ def test_a_handler_that_makes_its_settlement_fail_like_an_outage_is_charged_in_t
 
 @pytest.mark.parametrize(
     "end",
-    ["ROLLBACK; COMMIT", "SAVEPOINT s; ROLLBACK TO SAVEPOINT s; COMMIT"],
-    ids=["rollback-then-commit", "savepoint-rollback-then-commit"],
+    ["ROLLBACK; COMMIT", "SAVEPOINT s; ROLLBACK TO SAVEPOINT s; COMMIT", "COMMIT; COMMIT", "COMMIT; ROLLBACK"],
+    ids=["rollback-then-commit", "savepoint-rollback-then-commit", "commit-then-commit", "commit-then-rollback"],
 )
 def test_whether_a_neighbours_commit_committed_the_group_before_it(dsn: str, conn: db.Conn, end: str) -> None:
     # the same command tags, opposite outcomes. ROLLBACK; COMMIT committed nothing of the jobs before it:
@@ -230,3 +230,20 @@ def test_an_async_handler_returning_with_a_statement_in_flight_does_not_hang_its
     w = run_burst(dsn, concurrency=2, timeout=60)
     assert [state(dsn, j) for j in ids] == ["succeeded"] * 30
     assert w.zombies == 0 and len(ledger(dsn)) == 30
+
+
+def test_only_errors_the_server_answered_after_the_handler_ran_count_towards_charging_a_give_back() -> None:
+    """A job given back for database errors is charged after MAX_UNCHARGED_GIVE_BACKS only where it may be
+    the cause: not for a lost connection, too many clients or a shutdown (an innocent job with
+    max_attempts=1 was dead-lettered, its handler never run, after four such give-backs)."""
+    import psycopg
+
+    from worker_core.execution import _answered
+
+    assert _answered(psycopg.errors.ReadOnlySqlTransaction("read-only"))
+    assert _answered(psycopg.errors.LockNotAvailable("lock_timeout"))
+    for outage in (psycopg.OperationalError("server closed the connection unexpectedly"),
+                   psycopg.errors.TooManyConnections("too many clients"),
+                   psycopg.errors.AdminShutdown("terminating connection"),
+                   psycopg.errors.ConnectionFailure("connection failure")):  # fmt: skip
+        assert not _answered(outage), outage
