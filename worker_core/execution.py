@@ -28,7 +28,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -279,23 +279,117 @@ def _refuse(slot: Slot | None, what: str) -> None:
         )
 
 
-class _AbandonedRefused:
-    """What a cursor sends besides execute(): refused for an abandoned slot too (_refuse_abandoned)."""
+def _transaction_probe(conn: Any) -> bytes | None:
+    """Before a handler's stream() or copy() (the caller holds the connection's lock): the id of the job's
+    transaction, assigned now if it had none, so that _ended_unseen can tell afterwards whether that
+    statement ended the transaction and whether it committed. Their command tags, which execute()'s are read
+    for (_notice_end), are dropped by psycopg: stream() raises for a statement that returns no rows, copy()
+    for one that is no COPY, both after the server ran it (``COMMIT`` among them)."""
+    slot = getattr(conn, "slot", None)
+    if slot is None or not slot.handler_running or slot.tx_ended:
+        return None
+    if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+        return None
+    res = slot._exec(b"SELECT pg_current_xact_id()", psycopg.pq.ExecStatus.TUPLES_OK, conn)
+    return cast(bytes, res.get_value(0, 0))
+
+
+def _ended_unseen(conn: Any, xid: bytes | None) -> None:
+    """After that stream() or copy() (its lock released, the caller holding it again): if the job's
+    transaction ended, the slot is told (Slot.tx_ended), as _notice_end does, with whether it committed,
+    which the server knows for certain (``pg_xact_status``)."""
+    slot = getattr(conn, "slot", None)
+    if xid is None or slot is None or not slot.handler_running or slot.tx_ended:
+        return
+    status = conn.pgconn.transaction_status
+    rows = psycopg.pq.ExecStatus.TUPLES_OK
+    if status == psycopg.pq.TransactionStatus.INTRANS:
+        if slot._exec(b"SELECT pg_current_xact_id_if_assigned()", rows, conn).get_value(0, 0) == xid:
+            return
+    elif status != psycopg.pq.TransactionStatus.IDLE:
+        return  # the statement failed in the job's transaction (a COPY's bad row), or is still busy
+    fate = slot._exec(b"SELECT pg_xact_status('" + xid + b"')", rows, conn).get_value(0, 0)
+    slot.tx_ended = True
+    slot.tx_committed = fate == b"committed"
+
+
+class _StreamCopyWatched:
+    """A JobCursor's stream() and copy(): refused for an abandoned slot and a left-over task, and watched,
+    as execute() is, for a statement that ends the job's transaction (_transaction_probe)."""
 
     connection: Any
 
-    def stream(self, *args: Any, **kwargs: Any) -> Any:
-        _refuse_abandoned(self.connection)
-        _refuse_left_over(self.connection)
-        return super().stream(*args, **kwargs)  # type: ignore[misc]
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        conn = self.connection
+        _refuse_abandoned(conn)
+        rows = super().stream(*args, **kwargs)  # type: ignore[misc]
 
-    def copy(self, *args: Any, **kwargs: Any) -> Any:
-        _refuse_abandoned(self.connection)
-        _refuse_left_over(self.connection)
-        return super().copy(*args, **kwargs)  # type: ignore[misc]
+        def watched() -> Iterator[Any]:
+            with conn.lock:
+                xid = _transaction_probe(conn)
+            try:
+                yield from rows
+            finally:
+                rows.close()
+                with conn.lock:
+                    _ended_unseen(conn, xid)
+
+        return watched()
+
+    @contextlib.contextmanager
+    def copy(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        conn = self.connection
+        _refuse_abandoned(conn)
+        with conn.lock:
+            xid = _transaction_probe(conn)
+        try:
+            with super().copy(*args, **kwargs) as copy:  # type: ignore[misc]
+                yield copy
+        finally:
+            with conn.lock:
+                _ended_unseen(conn, xid)
 
 
-class JobCursor(_AbandonedRefused, psycopg.Cursor[dict[str, Any]]):
+class _AsyncStreamCopyWatched:
+    """_StreamCopyWatched for AsyncJobCursor."""
+
+    connection: Any
+
+    def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        conn = self.connection
+        _refuse_abandoned(conn)
+        _refuse_left_over(conn)
+        rows = super().stream(*args, **kwargs)  # type: ignore[misc]
+
+        async def watched() -> AsyncIterator[Any]:
+            async with conn.lock:
+                xid = _transaction_probe(conn)
+            try:
+                async for row in rows:
+                    yield row
+            finally:
+                await rows.aclose()  # it holds the connection's lock while it streams
+                async with conn.lock:
+                    _ended_unseen(conn, xid)
+
+        return watched()
+
+    @contextlib.asynccontextmanager
+    async def copy(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        conn = self.connection
+        _refuse_abandoned(conn)
+        _refuse_left_over(conn)
+        async with conn.lock:
+            xid = _transaction_probe(conn)
+        try:
+            async with super().copy(*args, **kwargs) as copy:  # type: ignore[misc]
+                yield copy
+        finally:
+            async with conn.lock:
+                _ended_unseen(conn, xid)
+
+
+class JobCursor(_StreamCopyWatched, psycopg.Cursor[dict[str, Any]]):
     """The cursors of a JobConnection: a statement a handler sends through ``ctx.tx`` that ends the job's
     transaction (``ctx.tx.execute("COMMIT")``, which ``commit()``'s refusal cannot stop) is noticed
     (Slot.tx_ended), and the job fails (Slot._run_grouped, TxEnded; Slot._run_sync)."""
@@ -418,7 +512,7 @@ def _refuse_left_over(conn: Any) -> None:
         )
 
 
-class AsyncJobCursor(_AbandonedRefused, psycopg.AsyncCursor[dict[str, Any]]):
+class AsyncJobCursor(_AsyncStreamCopyWatched, psycopg.AsyncCursor[dict[str, Any]]):
     """JobCursor for async handlers."""
 
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
@@ -1354,11 +1448,13 @@ class Slot:
                 self.handler_running = False
             if not handler.done():
                 self._forsake_loop(aconn)
+            elif not handler.cancelled():
+                # retrieved, whatever the verdict: else the task, collected, logs "Task exception was never
+                # retrieved" from whichever thread the garbage collector runs on, in the middle of its work
+                handler.exception()
             if self.tx_ended:  # before its own verdict: see _run_sync
                 raise HandlerFailure(_tx_ended_error())
             if ctx.cancelled:
-                if handler.done() and not handler.cancelled():
-                    handler.exception()  # what it raised once cancelled is retrieved: asyncio would log it
                 raise HandlerFailure(self._cancel_exc(ex))
             if handler.cancelled():
                 # nobody cancelled the job: its task ended cancelled of itself (it awaited a future another

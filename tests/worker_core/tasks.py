@@ -51,9 +51,23 @@ def self_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
 @worker_core.task("t.raw_commit", retry=FAST, reason="tests need fast, bounded retries")
 def raw_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Misuses ctx.tx past what commit() refuses: ends its transaction with a statement (COMMIT or ROLLBACK),
-    then, if asked, goes on (a new transaction begins)."""
+    then, if asked, goes on (a new transaction begins). ``via`` "stream" or "copy" sends it through a cursor's
+    stream() or copy(), which then raise ProgrammingError (a COMMIT yields no rows, and is no COPY):
+    raised, or swallowed if ``swallow``."""
     _ledger(ctx, payload)
-    ctx.tx.execute(payload.get("end", "COMMIT"))
+    end, via = payload.get("end", "COMMIT"), payload.get("via", "execute")
+    if via == "execute":
+        ctx.tx.execute(end)
+    else:
+        try:
+            if via == "stream":
+                list(ctx.tx.cursor().stream(end))
+            else:
+                with ctx.tx.cursor().copy(end):
+                    pass
+        except psycopg.ProgrammingError:
+            if not payload.get("swallow"):
+                raise
     if payload.get("then") == "select":
         ctx.tx.execute("SELECT 1")
     if payload.get("then") == "raise":
@@ -202,11 +216,21 @@ async def async_self_end(ctx: JobContext, payload: dict[str, Any]) -> None:
     await ctx.tx.execute(
         "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, payload["item"], ctx.attempt)
     )
-    how = payload.get("how", "commit")
+    how, via = payload.get("how", "commit"), payload.get("via", "execute")
     if how == "commit":
         await ctx.tx.commit()
-    else:
+    elif via == "execute":
         await ctx.tx.execute(how)
+    else:  # through a cursor's stream() or copy(), as t.raw_commit does
+        try:
+            if via == "stream":
+                [row async for row in ctx.tx.cursor().stream(how)]
+            else:
+                async with ctx.tx.cursor().copy(how):
+                    pass
+        except psycopg.ProgrammingError:
+            if not payload.get("swallow"):
+                raise
     if payload.get("then") == "raise":
         await ctx.tx.execute(
             "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
