@@ -1,7 +1,7 @@
 """Housekeeping, done by whichever worker wins ``pg_try_advisory_xact_lock`` for it (no coordinator):
 prune finished jobs by age (separate ages for succeeded and for failed/dead-lettered/cancelled),
 expired idempotency records and resource leases, and gone workers; roll up "jobs in" per minute into
-``job_metrics_minute`` so charts and rates outlive the rows."""
+``job_metrics_minute`` so charts and rates outlive the rows, and fold in the producers' dedup hits."""
 
 from __future__ import annotations
 
@@ -120,5 +120,6 @@ def housekeeping(
         conn.execute(queries["workers_prune"], {"before": now - dt.timedelta(days=1)})
         analyzed = analyze_if_stale(conn)
         until = rollup_enqueued(conn, now)
+        conn.execute(queries["fold_dedup_hits"])
         pruned = prune_finished(conn, now, retention)
     return HousekeepingReport(pruned_jobs=pruned, enqueued_rolled_up_until=until, analyzed=analyzed)

@@ -77,6 +77,46 @@ def test_dedup_hits_are_counted_for_the_window(conn: db.Conn) -> None:
     assert by_type["t.ok"].dedup_hits == 2
 
 
+def test_a_dedup_hit_in_an_open_transaction_holds_no_other_producer_or_worker(dsn: str, conn: db.Conn) -> None:
+    # counted by an upsert of job_metrics_minute's (minute, queue, type) row in the producer's transaction,
+    # a hit held that row until the business transaction ended: the other producers' hits of that type and
+    # the workers' metrics flushes waited for it, and two producers hitting two types in opposite order
+    # deadlocked
+    from worker_core.metrics import MetricsBuffer
+
+    enqueue(conn, "t.ok", {}, dedup_key="same")
+    conn.commit()
+    with db.connect(dsn) as first, db.connect(dsn) as second:
+        assert not enqueue(first, "t.ok", {}, dedup_key="same").created  # its transaction stays open
+        second.execute("SET lock_timeout = '1s'")
+        assert not enqueue(second, "t.ok", {}, dedup_key="same").created
+        second.commit()
+        buffer = MetricsBuffer()
+        buffer.add_many("default", "t.ok", {"started": 1, "succeeded": 1})
+        second.execute("SET lock_timeout = '1s'")
+        buffer.flush(second)
+        second.commit()
+        first.commit()
+    by_type = {t.job_type: t for t in stats.overview(conn).types}
+    assert by_type["t.ok"].dedup_hits == 2 and by_type["t.ok"].succeeded == 1
+
+
+def test_dedup_hits_are_folded_into_the_rollups_once(conn: db.Conn) -> None:
+    clock = FixedClock(T0)
+    enqueue(conn, "t.ok", {}, dedup_key="same", clock=clock)
+    for _ in range(3):
+        enqueue(conn, "t.ok", {}, dedup_key="same", clock=clock)
+    conn.commit()
+    assert {t.job_type: t.dedup_hits for t in stats.overview(conn, clock=clock).types}["t.ok"] == 3
+    for _ in range(2):
+        assert housekeeping(conn, clock) is not None
+        conn.commit()
+        assert {t.job_type: t.dedup_hits for t in stats.overview(conn, clock=clock).types}["t.ok"] == 3
+    assert conn.execute("SELECT count(*) AS n FROM dedup_hit_counts").fetchone() == {"n": 0}
+    row = conn.execute("SELECT minute, dedup_hits FROM job_metrics_minute WHERE dedup_hits > 0").fetchone()
+    assert row == {"minute": T0, "dedup_hits": 3}
+
+
 def test_expired_idempotency_records_go_in_batches_but_not_while_a_job_may_still_run_with_the_key(
     conn: db.Conn,
 ) -> None:

@@ -555,15 +555,26 @@ WHERE state IN ('failed', 'dead_lettered')
 GROUP BY queue, job_type;
 
 -- name: stats_window
-SELECT queue, job_type,
-       sum(started) AS started, sum(succeeded) AS succeeded, sum(failed) AS failed,
-       sum(dead_lettered) AS dead_lettered, sum(retried) AS retried, sum(timeouts) AS timeouts,
-       sum(anomalies) AS anomalies, sum(lock_contention) AS lock_contention, sum(dedup_hits) AS dedup_hits,
-       sum(idempotency_hits) AS idempotency_hits, sum(lease_expirations) AS lease_expirations,
-       sum(cancelled) AS cancelled, sum(enqueued) AS enqueued, sum(latency_ms_sum) AS latency_ms_sum, sum(duration_ms_sum) AS duration_ms_sum
-FROM job_metrics_minute
-WHERE minute >= %(since)s
-GROUP BY queue, job_type;
+-- The rollups, and the dedup hits not folded into them yet (fold_dedup_hits).
+WITH rolled AS (
+    SELECT queue, job_type,
+           sum(started) AS started, sum(succeeded) AS succeeded, sum(failed) AS failed,
+           sum(dead_lettered) AS dead_lettered, sum(retried) AS retried, sum(timeouts) AS timeouts,
+           sum(anomalies) AS anomalies, sum(lock_contention) AS lock_contention, sum(dedup_hits) AS dedup_hits,
+           sum(idempotency_hits) AS idempotency_hits, sum(lease_expirations) AS lease_expirations,
+           sum(cancelled) AS cancelled, sum(enqueued) AS enqueued, sum(latency_ms_sum) AS latency_ms_sum,
+           sum(duration_ms_sum) AS duration_ms_sum
+    FROM job_metrics_minute
+    WHERE minute >= %(since)s
+    GROUP BY queue, job_type
+), pending AS (
+    SELECT queue, job_type, sum(hits) AS hits FROM dedup_hit_counts WHERE minute >= %(since)s GROUP BY 1, 2
+)
+SELECT coalesce(r.queue, p.queue) AS queue, coalesce(r.job_type, p.job_type) AS job_type,
+       r.started, r.succeeded, r.failed, r.dead_lettered, r.retried, r.timeouts, r.anomalies, r.lock_contention,
+       coalesce(r.dedup_hits, 0) + coalesce(p.hits, 0) AS dedup_hits,
+       r.idempotency_hits, r.lease_expirations, r.cancelled, r.enqueued, r.latency_ms_sum, r.duration_ms_sum
+FROM rolled r FULL JOIN pending p ON p.queue = r.queue AND p.job_type = r.job_type;
 
 -- name: stats_series
 SELECT minute, queue, job_type, succeeded, failed, dead_lettered, retried, lease_expirations, started
@@ -764,9 +775,21 @@ ORDER BY 1, 2, 3
 ON CONFLICT (minute, queue, job_type) DO UPDATE SET enqueued = m.enqueued + EXCLUDED.enqueued;
 
 -- name: count_dedup_hits
-INSERT INTO job_metrics_minute AS m (minute, queue, job_type, dedup_hits)
+-- In the producer's transaction: appended, never an upsert of a shared row (migration 0014).
+INSERT INTO dedup_hit_counts (minute, queue, job_type, hits)
 SELECT date_trunc('minute', %(now)s::timestamptz), r.queue, r.job_type, r.n
-FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(queue text, job_type text, n bigint)
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(queue text, job_type text, n bigint);
+
+-- name: fold_dedup_hits
+-- Housekeeping: the committed hits move into the rollups in one statement (a reader sees them in one place
+-- or the other, never both); hits of producers still in their transactions wait for the next round.
+WITH moved AS (
+    DELETE FROM dedup_hit_counts RETURNING minute, queue, job_type, hits
+)
+INSERT INTO job_metrics_minute AS m (minute, queue, job_type, dedup_hits)
+SELECT minute, queue, job_type, sum(hits) FROM moved
+GROUP BY 1, 2, 3
+ORDER BY 1, 2, 3
 ON CONFLICT (minute, queue, job_type) DO UPDATE SET dedup_hits = m.dedup_hits + EXCLUDED.dedup_hits;
 
 ------------------------------------------------------------------------------------------------------
