@@ -229,6 +229,34 @@ def test_kill_flag_and_expired_lease_end_cancelled(conn: db.Conn, claimers: Any)
     assert rescuer.metrics.totals[("default", "t.ok", "cancelled")] == 1
 
 
+def test_a_kill_or_a_poison_pill_ends_in_a_paused_queue_too(conn: db.Conn, claimers: Any) -> None:
+    # the pause holds what would run again, not the end of a killed job whose worker is gone, nor a poison
+    # pill's dead letter: the kill was accepted ("1 of 1 changed") and the job stayed running, holding its
+    # dedup key, until someone resumed the queue
+    killed = enqueue(conn, "t.ok", {}, clock=at(0), queue="q", timeout_seconds=5, visibility_timeout_seconds=VIS).id
+    pill = enqueue(
+        conn, "t.ok", {}, clock=at(0), queue="q", max_attempts=1, timeout_seconds=5, visibility_timeout_seconds=VIS
+    ).id
+    dropped = enqueue(
+        conn, "t.ok", {}, clock=at(0), queue="q", max_attempts=3, timeout_seconds=5, visibility_timeout_seconds=VIS
+    ).id
+    claimers(clock=at(0)).claim(3)
+    conn.execute("UPDATE job_queue SET ran_solo = true WHERE id = %s", (pill,))
+    ops.kill(conn, [killed], actor=ops.Actor("tester"))
+    ops.pause(conn, "q", actor=ops.Actor("tester"))
+    rescuer = claimers(clock=at(VIS + 1))
+    solo_waiting = conn.execute(queries["solo_work_waiting"], rescuer._claim_params(1)).fetchone()
+    assert solo_waiting == {"waiting": True}
+    for _ in range(3):
+        rescuer._want_solo = True  # what a heartbeat that finds solo_work_waiting sets
+        assert rescuer.claim(4) == []
+    assert {j: row(conn, j)["state"] for j in (killed, pill, dropped)} == {
+        killed: "cancelled", pill: "dead_lettered", dropped: "running"  # the pause holds the one that would run
+    }
+    solo_waiting = conn.execute(queries["solo_work_waiting"], rescuer._claim_params(1)).fetchone()
+    assert solo_waiting == {"waiting": False}
+
+
 def test_a_limit_of_zero_holds_expired_leases_and_suspects_too(conn: db.Conn, claimers: Any) -> None:
     """`limit T 0` holds T in the solo lane too: an expired lease or a suspect of T is the job most likely
     to crash processes, during the incident the hold contains. A kill still ends there."""

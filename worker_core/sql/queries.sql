@@ -131,9 +131,9 @@ WITH {{full_limits}}, expired AS MATERIALIZED (
     WHERE state = 'running' AND locked_until < %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s))
       AND job_type = ANY(%(job_types)s)
-      AND queue <> ALL(%(paused)s::text[])
-      -- a limit holds what would run again, not the end of a killed job or a poison pill
-      AND (cancel_requested OR (ran_solo AND attempts >= max_attempts) OR NOT EXISTS ({{limit_full}}))
+      -- a pause or a limit holds what would run again, not the end of a killed job or a poison pill
+      AND (cancel_requested OR (ran_solo AND attempts >= max_attempts)
+           OR (queue <> ALL(%(paused)s::text[]) AND NOT EXISTS ({{limit_full}})))
     ORDER BY locked_until
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -256,8 +256,8 @@ SELECT EXISTS (
     SELECT 1 FROM job_queue
     WHERE state = 'running' AND locked_until < %(now)s
       AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
-      AND queue <> ALL(%(paused)s::text[])
-      AND (cancel_requested OR (ran_solo AND attempts >= max_attempts) OR NOT EXISTS ({{limit_full}}))
+      AND (cancel_requested OR (ran_solo AND attempts >= max_attempts)
+           OR (queue <> ALL(%(paused)s::text[]) AND NOT EXISTS ({{limit_full}})))
 ) OR EXISTS (
     SELECT 1 FROM job_queue
     WHERE suspect AND state IN ('queued', 'retry_scheduled') AND scheduled_at <= %(now)s
