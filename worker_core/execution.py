@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import contextvars
 import datetime as dt
+import inspect
 import json
 import logging
 import math
@@ -192,6 +193,19 @@ def _lost_under_handler(conn: db.Conn | db.AsyncConn) -> bool:
     except psycopg.OperationalError:
         return True
     return pgconn.status == psycopg.pq.ConnStatus.BAD
+
+
+async def _settled(result: Any) -> Any:
+    """An async handler's call that gave no coroutine (a sync wrapper of an async def, which ran it itself or
+    returned a future): awaited if it can be, else its result as it is."""
+    return await result if inspect.isawaitable(result) else result
+
+
+def _drop(awaitable: Any) -> None:
+    """A sync handler's awaitable nobody will await: closed, so that Python does not warn of it later."""
+    close = getattr(awaitable, "close", None)
+    if callable(close):
+        close()
 
 
 class HandlerFailure(Exception):
@@ -1357,7 +1371,13 @@ class Slot:
         self._begin_handler(ex)
         self.handler_running = True
         try:
-            task.fn(ctx, ex.job["payload"])
+            result = task.fn(ctx, ex.job["payload"])
+            if inspect.isawaitable(result):
+                _drop(result)
+                raise PermanentError(
+                    "the handler returned an awaitable, which a sync handler's caller never awaits: declare"
+                    " it async def, or wrap it with functools.wraps so that the worker sees what it wraps"
+                )
         except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError... all belong to the job
             error = e
         self._end_handler(ex)
@@ -1430,7 +1450,8 @@ class Slot:
                 self.async_job = ex
                 owner = _HANDLER_OF.set(ex)  # the handler's task, and every task it starts, belong to ex
                 try:
-                    handler = asyncio.ensure_future(task.fn(ctx, job["payload"]))
+                    result = task.fn(ctx, job["payload"])
+                    handler = asyncio.ensure_future(result if asyncio.iscoroutine(result) else _settled(result))
                 finally:
                     _HANDLER_OF.reset(owner)
                 deadline = time.monotonic() + job["timeout_seconds"]
@@ -1460,8 +1481,9 @@ class Slot:
                 # nobody cancelled the job: its task ended cancelled of itself (it awaited a future another
                 # task cancelled, or raised CancelledError): not a success, nothing of it commits
                 raise HandlerFailure(asyncio.CancelledError("the handler's task ended cancelled"))
-            if handler.exception() is not None:
-                raise HandlerFailure(handler.exception())
+            failure = handler.exception()
+            if failure is not None:
+                raise HandlerFailure(failure)
             if ctx.tx_used or job["idempotency_key"]:
                 # under the connection's lock: a statement one of its tasks still has in flight gets its
                 # reply first (read here, it would be taken from under that statement, which then waits

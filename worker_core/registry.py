@@ -6,8 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from worker_core import policy
@@ -18,10 +17,21 @@ from worker_core.retry import RetryPolicy
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-@lru_cache(maxsize=1024)
 def _is_async(fn: Callable[..., Any]) -> bool:
-    """Asked for every job the worker hands out: inspect once per handler."""
-    return inspect.iscoroutinefunction(fn)
+    """Whether calling the handler gives a coroutine to await: an ``async def``, one behind a decorator that
+    says what it wraps (``functools.wraps``), a partial of one, or an object whose ``__call__`` is one.
+    Taken for sync, such a handler's coroutine was dropped unawaited and the job settled succeeded, its
+    body never run. Worked out once, when the task is made (Task.is_async)."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    try:
+        if inspect.iscoroutinefunction(inspect.unwrap(fn)):
+            return True
+    except ValueError:  # a __wrapped__ chain that loops
+        return False
+    if inspect.isroutine(fn) or not callable(fn):
+        return False
+    return inspect.iscoroutinefunction(inspect.unwrap(type(fn).__call__))
 
 
 @dataclass(frozen=True)
@@ -40,10 +50,15 @@ class Task:
     concurrency: int | None = None
     #: why this type differs from the deployment's defaults
     reason: str | None = None
+    _async: bool = field(init=False, repr=False, compare=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_async", _is_async(self.fn))
 
     @property
     def is_async(self) -> bool:
-        return _is_async(self.fn)
+        """Asked for every job the worker hands out: worked out once (_is_async)."""
+        return self._async
 
     def overrides(self) -> dict[str, Any]:
         """The policy fields this type sets itself."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -476,3 +478,43 @@ async def async_fire_and_forget(ctx: JobContext, payload: dict[str, Any]) -> Non
 
 
 _background: set[Any] = set()
+
+
+def _logged(fn: Any) -> Any:
+    """A plain (sync) decorator, as many are written, around an async handler: it returns the coroutine."""
+
+    @functools.wraps(fn)
+    def wrapper(ctx: JobContext, payload: dict[str, Any]) -> Any:
+        return fn(ctx, payload)
+
+    return wrapper
+
+
+@worker_core.task("t.async_decorated", retry=FAST, reason="tests need fast, bounded retries")
+@_logged
+async def async_decorated(ctx: JobContext, payload: dict[str, Any]) -> None:
+    await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, payload["item"], ctx.attempt)
+    )
+
+
+@dataclasses.dataclass
+class Charge:
+    """A handler object (a dataclass: unhashable) whose ``__call__`` is async."""
+
+    table: str = "ledger"
+
+    async def __call__(self, ctx: JobContext, payload: dict[str, Any]) -> None:
+        await ctx.tx.execute(
+            f"INSERT INTO {self.table} (job_id, item, attempt) VALUES (%s, %s, %s)",
+            (ctx.job_id, payload["item"], ctx.attempt),
+        )
+
+
+worker_core.task("t.async_callable", retry=FAST, reason="tests need fast, bounded retries")(Charge())
+
+
+@worker_core.task("t.returns_coroutine", retry=FAST, reason="tests need fast, bounded retries")
+def returns_coroutine(ctx: JobContext, payload: dict[str, Any]) -> Any:
+    """A sync function that returns a coroutine, with nothing to say what it is."""
+    return async_plain(ctx, payload)

@@ -116,6 +116,21 @@ def test_base_exceptions_belong_to_their_job_and_the_worker_carries_on(conn: db.
     assert w.claimed_total == 10
 
 
+def test_an_async_handler_behind_a_decorator_or_in_an_object_runs_as_async(conn: db.Conn, dsn: str) -> None:
+    # taken for sync (inspect.iscoroutinefunction of the handler itself), its coroutine was dropped unawaited
+    # and the job settled succeeded, its body never run; a handler object that could not be hashed (a
+    # dataclass) killed the claim loop, its claimed jobs left running for their whole lease
+    ids = {t: enqueue(conn, t, {"item": t}).id for t in ("t.async_decorated", "t.async_callable")}
+    sneaky = enqueue(conn, "t.returns_coroutine", {}).id
+    conn.commit()
+    run_burst(dsn, timeout=30)
+    assert {t: state(dsn, j) for t, j in ids.items()} == dict.fromkeys(ids, "succeeded")
+    assert sorted(r["item"] for r in ledger(dsn)) == sorted(ids)
+    # a sync function returning a coroutine with nothing to say so fails, and says why
+    row = job(dsn, sneaky)
+    assert row["state"] == "failed" and "returned an awaitable" in row["last_error"], row["last_error"]
+
+
 def test_a_payload_too_deep_to_decode_fails_its_job_not_the_worker(conn: db.Conn, dsn: str) -> None:
     """Written by another producer than ours (ours refuses it): the claim decoded it with the stdlib's
     recursive json.loads, raised RecursionError after its commit, and the worker died with its batch."""
