@@ -6,7 +6,9 @@ expired idempotency records and resource leases, and gone workers; roll up "jobs
 from __future__ import annotations
 
 import datetime as dt
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
@@ -28,7 +30,10 @@ class Retention:
     #: failed, dead_lettered and cancelled: kept longer, operators may still requeue them
     failed_seconds: float = 14 * 86400.0
     batch: int = 5000
-    max_batches: int = 20
+    #: per kind (jobs, idempotency records) and round; a round also stops at ``round_seconds``. Either
+    #: way, more past retention means the next round runs soon (HousekeepingReport.more)
+    max_batches: int = 200
+    round_seconds: float = 20.0
 
     def __post_init__(self) -> None:
         # refused here, at start, with a clear error: in housekeeping it raised in every round, and the
@@ -37,6 +42,8 @@ class Retention:
             value = getattr(self, name)
             if not 0 <= value <= MAX_RETENTION_SECONDS:  # False for nan
                 raise ValueError(f"retention {name} must be between 0 and {MAX_RETENTION_SECONDS:g}, not {value!r}")
+        if not (self.batch >= 1 and self.max_batches >= 1 and 0 < self.round_seconds <= 3600):
+            raise ValueError("retention batch and max_batches must be at least 1, round_seconds in (0, 3600]")
 
 
 @dataclass(frozen=True)
@@ -44,13 +51,15 @@ class HousekeepingReport:
     pruned_jobs: int
     enqueued_rolled_up_until: dt.datetime | None
     analyzed: bool = False
+    #: the round stopped at its batch or time budget with more past retention: run the next one soon
+    more: bool = False
 
 
 def _minute(t: dt.datetime) -> dt.datetime:
     return t.replace(second=0, microsecond=0)
 
 
-def rollup_enqueued(conn: Conn, now: dt.datetime) -> dt.datetime | None:
+def rollup_enqueued(conn: Conn, now: dt.datetime) -> dt.datetime:
     upto = _minute(now - ROLLUP_LAG)
     row = conn.execute(queries["housekeeping_watermark"], {"name": "enqueued"}).fetchone()
     since = row["watermark"] if row else None
@@ -74,52 +83,82 @@ def analyze_if_stale(conn: Conn, threshold: int = 1000) -> bool:
     return True
 
 
-def prune_finished(conn: Conn, now: dt.datetime, retention: Retention) -> int:
+def _in_batches(
+    conn: Conn, query: str, params: dict[str, Any], retention: Retention, deadline: float
+) -> tuple[int, bool]:
+    """Run a pruning statement batch after batch, each committed on its own (its row locks go with it), until
+    a batch comes back short, or the round's budget of batches or time is spent. Returns the rows deleted,
+    and whether more may be left."""
     total = 0
+    for _ in range(retention.max_batches):
+        with conn.transaction():
+            n = conn.execute(query, {**params, "limit": retention.batch}).rowcount
+        total += n
+        if n < retention.batch:
+            return total, False
+        if time.monotonic() >= deadline:
+            break
+    return total, True
+
+
+def prune_finished(
+    conn: Conn, now: dt.datetime, retention: Retention, counted_until: dt.datetime, deadline: float
+) -> tuple[int, bool]:
+    """Finished jobs past their retention, never one created after ``counted_until``: "jobs in" is rolled up
+    from job_queue, and a job pruned before its minute was counted would be missing from it for ever."""
+    total, more = 0, False
     for states, age in (
         (["succeeded"], retention.succeeded_seconds),
         (["failed", "dead_lettered", "cancelled"], retention.failed_seconds),
     ):
-        before = now - dt.timedelta(seconds=age)
-        for _ in range(retention.max_batches):
-            n = conn.execute(
-                queries["prune_finished"], {"states": states, "before": before, "limit": retention.batch}
-            ).rowcount
-            total += n
-            if n < retention.batch:
-                break
-    return total
+        params = {"states": states, "before": now - dt.timedelta(seconds=age), "counted_until": counted_until}
+        n, left = _in_batches(conn, queries["prune_finished"], params, retention, deadline)
+        total, more = total + n, more or left
+    return total, more
 
 
-def prune_processed_keys(conn: Conn, now: dt.datetime, retention: Retention) -> int:
+def prune_processed_keys(conn: Conn, now: dt.datetime, retention: Retention, deadline: float) -> tuple[int, bool]:
     """Expired idempotency records, in batches as prune_finished: a burst of keyed jobs expires all at
     once a retention later."""
-    total = 0
-    for _ in range(retention.max_batches):
-        n = conn.execute(queries["prune_processed_keys"], {"now": now, "limit": retention.batch}).rowcount
-        total += n
-        if n < retention.batch:
-            break
-    return total
+    return _in_batches(conn, queries["prune_processed_keys"], {"now": now}, retention, deadline)
+
+
+def _unlock(conn: Conn) -> None:
+    """The session's housekeeping lock, released; if that fails, the connection is closed, which releases
+    it too: held by a connection that lives on (the heartbeat's), it would stop every worker's rounds."""
+    try:
+        with conn.transaction():
+            conn.execute(queries["housekeeping_unlock"], {"key": HOUSEKEEPING_LOCK})
+    except Exception:
+        conn.close()
 
 
 def housekeeping(
     conn: Conn, clock: Clock = SYSTEM_CLOCK, retention: Retention | None = None
 ) -> HousekeepingReport | None:
     """One round, if this caller wins the lock (else None). Rolls up before it prunes, so no job is
-    deleted before it was counted."""
+    deleted before it was counted. The lock is the session's, so that each batch of deletions commits on
+    its own: at thousands of jobs a second, a round of one transaction capped at a few batches fell behind
+    for good, and held every row it deleted locked until its end."""
     retention = retention or Retention()
     now = clock.now()
     with conn.transaction():
         won = conn.execute(queries["try_housekeeping_lock"], {"key": HOUSEKEEPING_LOCK}).fetchone()
-        if not won or not won["won"]:
-            return None
-        prune_processed_keys(conn, now, retention)
-        conn.execute(queries["prune_resource_locks"], {"now": now})
-        conn.execute(queries["prune_single_flight"], {"now": now})
-        conn.execute(queries["workers_prune"], {"before": now - dt.timedelta(days=1)})
-        analyzed = analyze_if_stale(conn)
-        until = rollup_enqueued(conn, now)
-        conn.execute(queries["fold_dedup_hits"])
-        pruned = prune_finished(conn, now, retention)
-    return HousekeepingReport(pruned_jobs=pruned, enqueued_rolled_up_until=until, analyzed=analyzed)
+    if not won or not won["won"]:
+        return None
+    try:
+        deadline = time.monotonic() + retention.round_seconds
+        with conn.transaction():
+            conn.execute(queries["prune_resource_locks"], {"now": now})
+            conn.execute(queries["prune_single_flight"], {"now": now})
+            conn.execute(queries["workers_prune"], {"before": now - dt.timedelta(days=1)})
+            analyzed = analyze_if_stale(conn)
+            until = rollup_enqueued(conn, now)
+            conn.execute(queries["fold_dedup_hits"])
+        _, keys_left = prune_processed_keys(conn, now, retention, deadline)
+        pruned, jobs_left = prune_finished(conn, now, retention, until, deadline)
+    finally:
+        _unlock(conn)
+    return HousekeepingReport(
+        pruned_jobs=pruned, enqueued_rolled_up_until=until, analyzed=analyzed, more=keys_left or jobs_left
+    )

@@ -21,6 +21,7 @@ worker_core.completer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue as queue_mod
@@ -54,6 +55,10 @@ from worker_core.sql import queries
 
 #: a housekeeping round's statements (batches of deletes, an ANALYZE of a large table)
 HOUSEKEEPING_TIMEOUT_MS = 300_000
+#: the round at start prunes for this long at most: the first claim waits for it
+FIRST_HOUSEKEEPING_SECONDS = 2.0
+#: after a round that stopped with more past retention, the next one starts this soon
+HOUSEKEEPING_CATCH_UP_SECONDS = 1.0
 #: how often the watchdog looks at running handlers (timeouts are enforced to within this)
 WATCHDOG_TICK = 0.05
 #: full groups of fast jobs a worker may hold beyond its slots' and prefetch's jobs (see Worker.max_in_flight):
@@ -796,7 +801,8 @@ class Worker:
         to wait on, and where connections are scarce it takes none the completer or the listener, which
         connect next, would then have to wait for."""
         try:
-            self.housekeeping(self._heartbeat_conn())
+            # briefly: the first claim waits for it (a backlog past retention is pruned by the next rounds)
+            self.housekeeping(self._heartbeat_conn(), round_seconds=FIRST_HOUSEKEEPING_SECONDS)
         except psycopg.Error as e:
             self.log.warning("housekeeping failed: %s", db.redact(str(e).strip(), self.dsn))
             self._hb_conn = None
@@ -809,6 +815,8 @@ class Worker:
         wait = self.config.housekeeping_interval * random.uniform(0.9, 1.1)
         while not self._halted.wait(wait):
             wait = self.config.housekeeping_interval * random.uniform(0.9, 1.1)
+            if self._housekeeping_behind:  # the last round left more past retention: the next goes on soon
+                wait = min(wait, HOUSEKEEPING_CATCH_UP_SECONDS)
             try:
                 name, timeout = self.config.application_name, HOUSEKEEPING_TIMEOUT_MS
                 with db.connect(self.dsn, application_name=name, statement_timeout_ms=timeout) as conn:
@@ -830,11 +838,19 @@ class Worker:
             with contextlib.suppress(Exception):
                 conn.close()
 
-    def housekeeping(self, conn: db.Conn) -> bool:
+    #: the last round this worker ran stopped with more past retention (HousekeepingReport.more)
+    _housekeeping_behind = False
+
+    def housekeeping(self, conn: db.Conn, round_seconds: float | None = None) -> bool:
         """Retention and rollups (worker_core.maintenance), if this worker wins the lock for them."""
-        report = maintenance.housekeeping(conn, self.clock, self.config.retention)
+        retention = self.config.retention
+        if round_seconds is not None:
+            retention = dataclasses.replace(retention, round_seconds=min(round_seconds, retention.round_seconds))
+        report = maintenance.housekeeping(conn, self.clock, retention)
+        self._housekeeping_behind = bool(report and report.more)
         if report and report.pruned_jobs:
-            self.log.info("housekeeping: pruned %s finished jobs", report.pruned_jobs)
+            more = " (more left: the next round runs soon)" if report.more else ""
+            self.log.info("housekeeping: pruned %s finished jobs%s", report.pruned_jobs, more)
         return report is not None
 
     # ------------------------------------------------------------------ executing

@@ -53,6 +53,45 @@ def test_jobs_in_survive_retention_and_are_counted_once(conn: db.Conn) -> None:
     assert [(r["minute"], r["enqueued"]) for r in rows] == [(T0, 4), (T0 + dt.timedelta(minutes=1), 1)]
 
 
+def test_a_round_prunes_batch_after_batch_and_says_when_more_is_left(dsn: str, conn: db.Conn) -> None:
+    # a round was one transaction capped at 20 batches of 5,000: above ~1,700 finished jobs a second, retention
+    # fell behind for good (one round a minute), and every deleted row stayed locked until the round's end
+    clock = FixedClock(T0)
+    enqueue_many(conn, [("t.ok", {"i": i}) for i in range(7)], clock=clock)
+    _finish(conn, "succeeded", T0)
+    conn.commit()
+    clock.set(T0 + dt.timedelta(days=2))
+    small = Retention(batch=2, max_batches=2)
+    with db.connect(dsn) as hk:
+        first = housekeeping(hk, clock, small)
+        assert first is not None and (first.pruned_jobs, first.more) == (4, True)
+        # each batch committed as it went, and the lock was let go with the round
+        assert conn.execute("SELECT count(*) AS n FROM job_queue").fetchone() == {"n": 3}
+        conn.commit()
+        with db.connect(dsn) as other:
+            second = housekeeping(other, clock, small)
+        assert second is not None and (second.pruned_jobs, second.more) == (3, False)
+
+
+def test_a_job_is_never_pruned_before_its_minute_is_counted_in_jobs_in(conn: db.Conn) -> None:
+    # "jobs in" is rolled up from job_queue up to two minutes ago: with a retention shorter than that, the
+    # round deleted jobs before it counted them
+    clock = FixedClock(T0)
+    enqueue_many(conn, [("t.ok", {"i": i}) for i in range(3)], clock=clock)
+    _finish(conn, "succeeded", T0)
+    clock.set(T0 + dt.timedelta(minutes=5))
+    enqueue_many(conn, [("t.ok", {"i": i}) for i in range(10)], clock=clock)
+    _finish(conn, "succeeded", T0 + dt.timedelta(minutes=5))
+    clock.set(T0 + dt.timedelta(minutes=5, seconds=30))
+    report = housekeeping(conn, clock, Retention(succeeded_seconds=0))
+    assert report is not None and report.pruned_jobs == 3  # the 10 are not counted yet: they stay
+    clock.set(T0 + dt.timedelta(minutes=10))
+    report = housekeeping(conn, clock, Retention(succeeded_seconds=0))
+    assert report is not None and report.pruned_jobs == 10
+    rows = conn.execute("SELECT minute, enqueued FROM job_metrics_minute ORDER BY minute").fetchall()
+    assert [(r["minute"], r["enqueued"]) for r in rows] == [(T0, 3), (T0 + dt.timedelta(minutes=5), 10)]
+
+
 def test_only_one_housekeeper_at_a_time(dsn: str) -> None:
     with db.connect(dsn) as holder:
         holder.execute("SELECT pg_advisory_lock(%s)", (0x71632D686F757365,))
@@ -135,7 +174,8 @@ def test_expired_idempotency_records_go_in_batches_but_not_while_a_job_may_still
     enqueue(conn, "t.ok", {}, idempotency_key="k2", clock=clock)
     conn.execute("UPDATE job_queue SET state = 'succeeded', finished_at = %s WHERE idempotency_key = 'k2'", (T0,))
     clock.set(T0 + dt.timedelta(days=7, seconds=1))
-    assert housekeeping(conn, clock, Retention(failed_seconds=30 * 86400, batch=2, max_batches=2)) is not None
+    report = housekeeping(conn, clock, Retention(failed_seconds=30 * 86400, batch=2, max_batches=2))
+    assert report is not None and report.more
     left = sorted(r["idempotency_key"] for r in conn.execute("SELECT idempotency_key FROM processed_keys"))
     assert left == ["k0", "k1", "k6"]  # 2 batches of 2 went, k6 waits for the next round
     assert housekeeping(conn, clock, Retention(failed_seconds=30 * 86400, batch=2, max_batches=2)) is not None

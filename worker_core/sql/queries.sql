@@ -495,11 +495,14 @@ WHERE state IN ('queued', 'retry_scheduled')
 SELECT name FROM queues WHERE paused ORDER BY name;
 
 ------------------------------------------------------------------------------------------------------
--- Housekeeping (whoever wins pg_try_advisory_xact_lock does it)
+-- Housekeeping (whoever wins the session's advisory lock does it, a batch per transaction)
 ------------------------------------------------------------------------------------------------------
 
 -- name: try_housekeeping_lock
-SELECT pg_try_advisory_xact_lock(%(key)s) AS won;
+SELECT pg_try_advisory_lock(%(key)s) AS won;
+
+-- name: housekeeping_unlock
+SELECT pg_advisory_unlock(%(key)s);
 
 -- name: prune_processed_keys
 -- Expired idempotency records, oldest first, in batches. Not one whose key a job still holds that may run
@@ -748,7 +751,7 @@ ORDER BY job_type, attempts;
 -- In batches, oldest first, so a large backlog never holds long locks.
 WITH doomed AS (
     SELECT id FROM job_queue
-    WHERE state = ANY(%(states)s) AND finished_at < %(before)s
+    WHERE state = ANY(%(states)s) AND finished_at < %(before)s AND created_at < %(counted_until)s
     ORDER BY finished_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
