@@ -95,10 +95,13 @@ class Execution:
     ended: float = 0.0
     #: the group it runs in, if any
     group: Group | None = None
-    #: its idempotency key was already processed: settled without running the handler
     #: its handler ran (and returned, raised or was given up on): Slot._end_handler
     handler_ran: bool = False
+    #: its idempotency key was already processed: settled without running the handler
     hit: bool = False
+    #: while it waits for its idempotency key (another job holding it is in its transaction): the
+    #: connection the wait is on, which a kill or a shutdown cancels (Worker._watchdog_tick)
+    key_wait: Any = None
     #: its share of a slot while in flight (Worker.job_load)
     load: float = 1.0
     #: its idempotency record was written by its group's first statement (Slot._record_group_keys): the
@@ -1164,8 +1167,9 @@ class Slot:
                 return
             if job["idempotency_key"] and not ex.key_recorded:
                 # blocks while another job holding the same key is in its transaction: one effect, ever
-                recorded = self._open_with_key(savepoint, ex)
-                opened = True
+                opened = True  # in the round trip that records the key, before it: rolled back to if need be
+                with self._waiting_for_key(ex, self.conn):
+                    recorded = self._open_with_key(savepoint, ex)
                 if not recorded:
                     ex.hit = True
                     group.effects.append(ex)
@@ -1287,7 +1291,9 @@ class Slot:
         job = ex.job
         if job["idempotency_key"]:
             # blocks while another job holding the same key is in its transaction: one effect, ever
-            if conn.execute(queries["record_processed_key"], self._idempotency_params(ex)).fetchone() is None:
+            with self._waiting_for_key(ex, conn):
+                recorded = conn.execute(queries["record_processed_key"], self._idempotency_params(ex)).fetchone()
+            if recorded is None:
                 if conn.execute(queries["settle_succeeded"], self._fence(ex)).fetchone() is None:
                     raise LeaseLost()
                 conn.commit()
@@ -1318,6 +1324,27 @@ class Slot:
             raise LeaseLost()
         conn.commit()
         self._succeeded(ex, idempotency_hit=False)
+
+    @contextlib.contextmanager
+    def _waiting_for_key(self, ex: Execution, conn: db.Conn | db.AsyncConn) -> Iterator[None]:
+        """The wait for a job's idempotency key, which has no end of its own (the job holding the key may run
+        for its whole timeout, or belong to a frozen worker): a kill or a shutdown cancels it
+        (Worker._watchdog_tick), and the job ends as a job cancelled before it started: its handler never
+        runs (it ran, after the wait, though killed), a stopping worker releases it (it stayed running, held
+        by a stopped worker for a whole lease)."""
+        with self.w._exec_lock:
+            ex.key_wait = conn
+        try:
+            yield
+        except psycopg.errors.QueryCanceled:
+            if ex.ctx.cancelled:
+                raise HandlerFailure(self._cancel_exc(ex)) from None
+            raise
+        finally:
+            with self.w._exec_lock:
+                ex.key_wait = None
+        if ex.ctx.cancelled:
+            raise HandlerFailure(self._cancel_exc(ex))
 
     def _lock_held_to_commit(self, ex: Execution) -> bool:
         """A job with a lock_key commits its effect only if it still holds the lock: its lease may have run out
@@ -1430,7 +1457,8 @@ class Slot:
         job, ctx = ex.job, ex.ctx
         try:
             if job["idempotency_key"]:
-                cur = await aconn.execute(queries["record_processed_key"], self._idempotency_params(ex))
+                with self._waiting_for_key(ex, aconn):
+                    cur = await aconn.execute(queries["record_processed_key"], self._idempotency_params(ex))
                 if await cur.fetchone() is None:
                     cur = await aconn.execute(queries["settle_succeeded"], self._fence(ex))
                     if await cur.fetchone() is None:

@@ -934,6 +934,8 @@ class Worker:
         for ex in list(self._in_flight.values()):
             deadline = ex.deadline
             if deadline is None:
+                if ex.ctx.cancel_reason is not None:
+                    self._cancel_key_wait(ex)
                 continue
             if now >= deadline:
                 ex.ctx.cancel("timeout")
@@ -942,6 +944,15 @@ class Worker:
                     ex.cancel_seen = now
                 elif now - ex.cancel_seen >= self.config.cancel_grace + ex.grace_margin:
                     self._abandon(ex)
+
+    def _cancel_key_wait(self, ex: Execution) -> None:
+        """A job killed, or its worker stopping, while it waits for its idempotency key (Slot._waiting_for_key):
+        the statement waiting is cancelled, from here (a cancel is safe from another thread)."""
+        with self._exec_lock:
+            conn, ex.key_wait = ex.key_wait, None
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.cancel()
 
     def _abandon(self, ex: Execution) -> None:
         """The handler ignores its cancellation: give up its slot thread (nothing it still sends reaches the

@@ -502,12 +502,12 @@ async def async_decorated(ctx: JobContext, payload: dict[str, Any]) -> None:
 class Charge:
     """A handler object (a dataclass: unhashable) whose ``__call__`` is async."""
 
-    table: str = "ledger"
+    suffix: str = ""
 
     async def __call__(self, ctx: JobContext, payload: dict[str, Any]) -> None:
         await ctx.tx.execute(
-            f"INSERT INTO {self.table} (job_id, item, attempt) VALUES (%s, %s, %s)",
-            (ctx.job_id, payload["item"], ctx.attempt),
+            "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
+            (ctx.job_id, payload["item"] + self.suffix, ctx.attempt),
         )
 
 

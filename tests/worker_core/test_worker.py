@@ -319,6 +319,30 @@ def test_an_async_job_waiting_on_its_key_behind_another_is_not_timed_out_for_the
     assert [r["item"] for r in ledger(dsn)] == ["A"]
 
 
+@pytest.mark.parametrize("job_type", ["t.ledger", "t.async_ok"])
+@pytest.mark.parametrize("how", ["kill", "shutdown"])
+def test_a_job_waiting_for_its_key_can_be_killed_or_released(conn: db.Conn, dsn: str, job_type: str, how: str) -> None:
+    # the wait for a key another transaction holds (here a frozen one) had no end: a killed job ran its
+    # handler once the wait was over, and a stopped worker left the job running, its for a whole lease
+    with db.connect(dsn) as holder:
+        holder.execute(
+            "INSERT INTO processed_keys (idempotency_key, job_id, job_type, processed_at, expires_at)"
+            " VALUES ('K', gen_random_uuid(), 't.other', now(), now() + interval '1 day')"
+        )  # not committed: the job's own record waits for this transaction to end
+        j = enqueue(conn, job_type, {"item": "B"}, idempotency_key="K", visibility_timeout_seconds=120).id
+        conn.commit()
+        with running_worker(dsn, heartbeat_interval=0.2, cancel_grace=0.2, shutdown_grace=0.5):
+            wait_for(lambda: state(dsn, j) == "running", 10, what="the job to wait for its key")
+            time.sleep(0.3)
+            if how == "kill":
+                ops.kill(conn, [j], actor=ME, reason="stuck")
+                wait_for(lambda: state(dsn, j) == "cancelled", 10, what="the kill to end the job")
+        holder.rollback()
+    row = job(dsn, j)
+    assert (row["state"], row["locked_by"]) == (("cancelled", row["locked_by"]) if how == "kill" else ("queued", None))
+    assert ledger(dsn) == []  # its handler never ran
+
+
 def test_async_handler_is_cancelled_at_its_timeout(conn: db.Conn, dsn: str) -> None:
     j = enqueue(conn, "t.async_slow", {"seconds": 60}).id  # timeout 1 s, max_attempts 1
     ok = enqueue(conn, "t.async_ok", {"item": "after"}).id
@@ -730,7 +754,7 @@ def test_a_long_housekeeping_round_does_not_hold_up_the_heartbeat(
     # round at start runs before the first claim, when nothing is in flight: that one is quick here.)
     in_round, release, rounds = threading.Event(), threading.Event(), []
 
-    def long_round(self: Worker, hk_conn: db.Conn) -> bool:
+    def long_round(self: Worker, hk_conn: db.Conn, round_seconds: float | None = None) -> bool:
         rounds.append(threading.current_thread().name)
         if len(rounds) > 1:
             in_round.set()
