@@ -762,9 +762,11 @@ class Slot:
 
     def execute(self, ex: Execution) -> None:
         w, job, ctx = self.w, ex.job, ex.ctx
-        ex.begun = True
+        with w._exec_lock:  # from here a pause no longer holds it (Worker._hold_paused)
+            ex.begun = True
         if ctx.cancelled:
-            # killed, lease lost or shutting down while it waited in the prefetch buffer: never started
+            # killed, lease lost, its queue paused or shutting down while it waited in the prefetch buffer:
+            # never started
             self._after_failure(ex, self._cancel_exc(ex))
             return
         task = w.registry.get(job["job_type"])
@@ -1132,9 +1134,10 @@ class Slot:
 
     def _run_grouped(self, ex: Execution, group: Group, n: int) -> None:
         w, job, ctx = self.w, ex.job, ex.ctx
-        ex.begun = True
+        with w._exec_lock:  # from here a pause no longer holds it (Worker._hold_paused)
+            ex.begun = True
         ex.started = time.monotonic()
-        if ctx.cancelled:  # killed, lease lost or shutting down while it waited in the prefetch buffer
+        if ctx.cancelled:  # killed, lease lost, paused or shutting down while it waited in the prefetch buffer
             self._forget_key(ex, None)
             group.failed.append((ex, self._cancel_exc(ex)))
             return
@@ -1560,6 +1563,10 @@ class Slot:
                 return
             if exc.reason == "shutdown":
                 ex.ctx.logger.info("worker shutting down: job released")
+                self.release(ex, 0.0)
+                return
+            if exc.reason == "paused":
+                ex.ctx.logger.info("its queue was paused before it started: job released")
                 self.release(ex, 0.0)
                 return
             if exc.reason == "lock_lost":

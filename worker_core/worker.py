@@ -490,6 +490,16 @@ class Worker:
         with conn.transaction():
             self._paused = [r["name"] for r in conn.execute(queries["paused_queues"])]
         self._filters_at = time.monotonic()
+        if self._paused:
+            self._hold_paused(set(self._paused))
+
+    def _hold_paused(self, paused: set[str]) -> None:
+        """The jobs of a paused queue this worker claimed but has not begun (its prefetch: up to hundreds of
+        fast ones) are released, not started after the pause; those running go on."""
+        with self._exec_lock:
+            for ex in list(self._in_flight.values()):
+                if not ex.begun and ex.ctx.cancel_reason is None and ex.job["queue"] in paused:
+                    ex.ctx.cancel("paused")
 
     def _refresh_limits(self, conn: db.Conn) -> None:
         with conn.transaction():

@@ -724,6 +724,21 @@ def test_pause_and_resume(conn: db.Conn, dsn: str) -> None:
     assert state(dsn, held) == "succeeded"
 
 
+def test_a_pause_holds_the_jobs_a_worker_claimed_but_has_not_started(conn: db.Conn, dsn: str) -> None:
+    # the pause changed the next claims only: the jobs in the worker's prefetch buffer still started after
+    # it, one after another (up to hundreds of fast grouped ones)
+    ids = [enqueue(conn, "t.slow", {"seconds": 1.0}, queue="q").id for _ in range(4)]
+    conn.commit()
+    with running_worker(dsn, concurrency=1, prefetch=3, heartbeat_interval=0.2):
+        wait_for(lambda: [state(dsn, j) for j in ids].count("running") == 4, 10, what="a claim of all four")
+        ops.pause(conn, "q", actor=ME)
+        conn.commit()
+        time.sleep(2.5)  # the one running has finished; none of the others may have started
+        states = [state(dsn, j) for j in ids]
+    assert sorted(states) == ["queued", "queued", "queued", "succeeded"], states
+    assert sorted(job(dsn, j)["attempts"] for j in ids) == [0, 0, 0, 1]  # released uncharged
+
+
 def test_a_dropped_job_in_a_paused_queue_does_not_hold_up_the_other_queues(conn: db.Conn, dsn: str) -> None:
     # a job whose worker died, its lease expired, in a paused queue: only a solo claim may take it, and the
     # pause forbids that. The worker must not stop claiming (to drain for a solo claim) on every heartbeat
