@@ -198,6 +198,11 @@ def _lost_under_handler(conn: db.Conn | db.AsyncConn) -> bool:
     return pgconn.status == psycopg.pq.ConnStatus.BAD
 
 
+def _lease_ms(jobs: list[Execution]) -> int:
+    """The longest lease of these jobs, in ms (Slot._bound_idle)."""
+    return max(int(ex.job["visibility_timeout_seconds"] * 1000) for ex in jobs)
+
+
 async def _settled(result: Any) -> Any:
     """An async handler's call that gave no coroutine (a sync wrapper of an async def, which ran it itself or
     returned a future): awaited if it can be, else its result as it is."""
@@ -484,6 +489,8 @@ class JobConnection(psycopg.Connection[dict[str, Any]]):
     slot: Slot | None = None
     #: its server process, read when it was opened (Slot.backend_pids)
     backend_pid = 0
+    #: its idle_in_transaction_session_timeout, as Slot._bound_idle set it (0: none)
+    idle_bound_ms = 0
 
     def commit(self) -> None:
         _refuse(self.slot, "commit")
@@ -555,6 +562,7 @@ class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
 
     slot: Slot | None = None
     backend_pid = 0
+    idle_bound_ms = 0
 
     async def commit(self) -> None:
         _refuse(self.slot, "commit")
@@ -667,9 +675,29 @@ class Slot:
             self._conn = conn
             if self.abandoned:  # while it connected: nothing of it may reach the server through it
                 raise psycopg.OperationalError(ABANDONED)
+        conn = self._conn
+        if self.idle_bound_ms > conn.idle_bound_ms:
+            self._bound_idle(conn)
         if self._in_group:
-            self._pinned = self._conn
-        return self._conn
+            self._pinned = conn
+        return conn
+
+    #: the longest lease of the jobs this slot runs now (ms): see _bound_idle
+    idle_bound_ms = 0
+
+    def _bound_idle(self, conn: JobConnection | AsyncJobConnection) -> None:
+        """A transaction of this slot's left idle for longer than its jobs' leases is ended by the server
+        (``idle_in_transaction_session_timeout``, raised as jobs with longer leases come, never lowered).
+        Else a worker that froze (SIGSTOP, a paused VM, a network partition the server cannot see) in the
+        middle of a job holds that job's idempotency record for as long as it stays frozen, and the worker
+        that takes the job over when its lease expires waits on that record as long, extending its own
+        lease all the while: the job was stuck for good. A handler is never idle that long: its timeout is
+        shorter than its lease. Set between transactions only (set inside one, a rollback would undo it)."""
+        if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            return
+        want = self.idle_bound_ms
+        self._exec(b"SET idle_in_transaction_session_timeout = %d" % want, psycopg.pq.ExecStatus.COMMAND_OK, conn)
+        conn.idle_bound_ms = want
 
     def _group_connection_lost(self) -> bool:
         pinned = self._pinned
@@ -764,6 +792,7 @@ class Slot:
         w, job, ctx = self.w, ex.job, ex.ctx
         with w._exec_lock:  # from here a pause no longer holds it (Worker._hold_paused)
             ex.begun = True
+        self.idle_bound_ms = _lease_ms([ex])
         if ctx.cancelled:
             # killed, lease lost, its queue paused or shutting down while it waited in the prefetch buffer:
             # never started
@@ -918,6 +947,7 @@ class Slot:
         group = Group(waiting=list(jobs))
         current: Execution | None = None
         self._in_group, self._pinned = True, None
+        self.idle_bound_ms = _lease_ms(jobs)
         try:
             self._delete_stale(group.waiting)
             self._record_group_keys(group.waiting)
@@ -1457,6 +1487,8 @@ class Slot:
             cast(AsyncJobConnection, opened).backend_pid = opened.info.backend_pid
             self._aconn = opened
         aconn = self._aconn
+        if self.idle_bound_ms > cast(AsyncJobConnection, aconn).idle_bound_ms:
+            self._bound_idle(cast(AsyncJobConnection, aconn))
         job, ctx = ex.job, ex.ctx
         try:
             if job["idempotency_key"]:

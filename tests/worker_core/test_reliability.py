@@ -39,15 +39,21 @@ FROZEN_WORKER = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("key", [None, "K"], ids=["keyless", "keyed"])
 def test_a_frozen_worker_loses_its_job_and_cannot_settle_it_when_it_wakes(
-    dsn: str, conn: db.Conn, tmp_path: Path
+    dsn: str, conn: db.Conn, tmp_path: Path, key: str | None
 ) -> None:
+    # keyed: the frozen worker's open transaction holds the job's idempotency record. The worker that took
+    # the job over waited on it for as long as the other stayed frozen (for ever), extending its own lease:
+    # the server now ends a job's transaction left idle longer than the job's lease
     jid = enqueue(
-        conn, "t.slow", {"seconds": 2, "ledger": True, "item": "once"}, timeout_seconds=3, visibility_timeout_seconds=9
+        conn, "t.slow", {"seconds": 2, "ledger": True, "item": "once"}, timeout_seconds=3, visibility_timeout_seconds=9,
+        idempotency_key=key,
     ).id
     frozen = spawn_python(FROZEN_WORKER, dsn, log=tmp_path / "frozen.log")
     try:
         wait_for(lambda: job(dsn, jid)["locked_by"] == "frozen" and state(dsn, jid) == "running", timeout=20)
+        time.sleep(0.5)  # in its handler, which sleeps 2 s: its transaction holds the key's record by now
         frozen.send_signal(signal.SIGSTOP)
         # its lease runs out; an idle worker reclaims it, runs it alone, and it succeeds once
         wait_for(lambda: scalar(dsn, "SELECT locked_until < now() FROM job_queue WHERE id = %s", (jid,)), timeout=15)
