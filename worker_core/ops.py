@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
 from worker_core.envelope import JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
@@ -114,6 +116,10 @@ def _audit(
     return int(row["id"])
 
 
+#: a requeue that meets a dedup key taken meanwhile runs again (ops.requeue), at most this many times in all
+REQUEUE_TRIES = 5
+
+
 def requeue(
     conn: Conn,
     job_ids: Iterable[uuid.UUID | str],
@@ -136,17 +142,24 @@ def requeue(
             raise EnvelopeError(problems)
     actor = actor or Actor.current()
     now = clock.now()
+    params = {
+        "ids": ids,
+        "now": now,
+        "budget": budget,
+        "payload": json.dumps(dict(payload)) if payload is not None else None,
+    }
     with conn.transaction():
         ensure_writable(conn)
-        rows = conn.execute(
-            queries["requeue_jobs"],
-            {
-                "ids": ids,
-                "now": now,
-                "budget": budget,
-                "payload": json.dumps(dict(payload)) if payload is not None else None,
-            },
-        ).fetchall()
+        for tries_left in reversed(range(REQUEUE_TRIES)):
+            try:
+                with conn.transaction():
+                    rows = conn.execute(queries["requeue_jobs"], params).fetchall()
+                break
+            except psycopg.errors.UniqueViolation:
+                # a job taking one of these dedup keys was not committed yet when the statement looked (its
+                # check cannot see it): once it has, the statement, run again, sees it and skips that job
+                if not tries_left:
+                    raise
         changed = [r["id"] for r in rows]
         detail: dict[str, Any] = {"budget": budget, "requested": len(ids)}
         if payload is not None:

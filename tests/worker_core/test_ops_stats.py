@@ -506,6 +506,42 @@ def test_requeue_of_dead_jobs_sharing_a_dedup_key_requeues_one_and_skips_the_oth
     assert again.why_skipped == {other: "it is queued"} and again.skipped_summary() == "1 skipped: it is queued"
 
 
+def test_a_requeue_racing_a_producer_that_takes_the_dedup_key_skips_the_job(dsn: str, conn: db.Conn) -> None:
+    # the producer's job holding the key was not committed when the requeue looked for one: the requeue
+    # waited on the unique index, then failed with UniqueViolation (a traceback, and the whole batch lost)
+    dead = enqueue(conn, "t.ok", {}, dedup_key="sync:7").id
+    conn.execute("UPDATE job_queue SET state = 'dead_lettered', finished_at = now() WHERE id = %s", (dead,))
+    conn.commit()
+    with db.connect(dsn) as producer:
+        live = enqueue(producer, "t.ok", {}, dedup_key="sync:7").id  # not committed yet
+        results: list[Any] = []
+        with db.connect(dsn, autocommit=True) as operator:
+            pid = operator.info.backend_pid
+
+            def requeue() -> None:
+                try:
+                    results.append(ops.requeue(operator, [dead], actor=ops.Actor("oncall")))
+                except Exception as e:
+                    results.append(e)
+
+            t = threading.Thread(target=requeue)
+            t.start()
+            wait_for(
+                lambda: conn.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+                == {"wait_event_type": "Lock"},
+                10,
+                what="the requeue to wait for the producer's transaction",
+            )
+            producer.commit()
+            t.join(10)
+    result = results[0]
+    assert isinstance(result, ops.ActionResult), result
+    held = "a live job (or a newer requeued one) holds its dedup key"
+    assert (result.changed, result.why_skipped) == ([], {dead: held})
+    assert stats.get_job(conn, live).state is JobState.QUEUED
+    assert stats.get_job(conn, dead).state is JobState.DEAD_LETTERED
+
+
 def test_error_times_as_postgresql_writes_them_into_json_are_read_back(conn: db.Conn) -> None:
     """kill_jobs and the lease-expiry claim write an error's time with jsonb_build_object: PostgreSQL trims
     the fraction's trailing zeros (25.1+00:00), which Python 3.10's fromisoformat refused, and one such
