@@ -64,8 +64,11 @@ def _refuse_if_read_only(command: str) -> None:
 
 
 @contextmanager
-def connect(dsn: str | None, *, read_only: bool = False, autocommit: bool = True) -> Iterator[db.Conn]:
-    """A connection with a clear error when the database is unreachable or not migrated."""
+def connect(
+    dsn: str | None, *, read_only: bool = False, autocommit: bool = True, for_workers: bool = False
+) -> Iterator[db.Conn]:
+    """A connection with a clear error when the database is unreachable or not migrated. ``for_workers``:
+    a schema whose applied migrations differ from this code's is refused (exit 3), not only warned of."""
     if not read_only:
         _refuse_if_read_only(_ROOT["command"] or "this command")
     configured = db.configured_dsn(_dsn(dsn))
@@ -89,11 +92,12 @@ def connect(dsn: str | None, *, read_only: bool = False, autocommit: bool = True
                 fail(f"the database needs migrations ({names}): run `qconsole migrate`", 3)
         changed = changed_migrations(conn)
         if changed:
-            # workers refuse to start on such a schema (forward-only): say it here too, without refusing
-            # the operator's command
+            # workers refuse to start on such a schema (forward-only); an operator's command is only warned
             names = ", ".join(f"{m.version:04d}_{m.name}" for m in changed)
-            typer.echo(f"warning: migrations {names} differ from what this database applied: this qconsole "
-                       "is not the version that migrated it (workers of it refuse to start)", err=True)  # fmt: skip
+            why = f"migrations {names} differ from what this database applied: this qconsole is not the version"
+            if for_workers:
+                fail(f"{why} that migrated it: its workers refuse to start", 3)
+            typer.echo(f"warning: {why} that migrated it (workers of it refuse to start)", err=True)
         yield conn
     finally:
         conn.close()
@@ -244,7 +248,10 @@ def enqueue(
     }
     envelope: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if tasks:
-        import_task_modules(tasks.split(","))
+        try:
+            import_task_modules(tasks.split(","))
+        except ImportError as e:
+            fail(f"cannot import task module: {e}", 2)
     # validate before touching the database: a bad envelope needs no connection to be refused
     from worker_core.producer import prepare
 
@@ -333,8 +340,8 @@ def worker(
         import_task_modules(modules)
     except ImportError as e:
         fail(f"cannot import task module: {e}", 2)
-    with connect(dsn):
-        pass  # reachable and migrated before any process starts
+    with connect(dsn, for_workers=True):
+        pass  # reachable and migrated, by this version, before any process starts
     config = WorkerConfig(
         dsn=db.configured_dsn(_dsn(dsn)),
         task_modules=modules,
@@ -476,19 +483,35 @@ def kill(
     output.action(result)
 
 
+UnknownQueueOpt = Annotated[
+    bool, typer.Option("--unknown-queue", help="Allow a queue no job, worker or earlier pause names yet.")
+]
+
+
 @app.command()
-def pause(queue: Annotated[str, typer.Argument()], reason: ReasonOpt = None, dsn: DsnOpt = None) -> None:
-    """Workers stop claiming from QUEUE (running jobs finish)."""
+def pause(
+    queue: Annotated[str, typer.Argument()],
+    reason: ReasonOpt = None,
+    unknown_queue: UnknownQueueOpt = False,
+    dsn: DsnOpt = None,
+) -> None:
+    """Workers stop claiming from QUEUE and give back what they claimed but have not started (running jobs
+    finish)."""
     with connect(dsn) as conn:
-        result = guarded(lambda: ops.pause(conn, queue, reason=reason))
+        result = guarded(lambda: ops.pause(conn, queue, reason=reason, allow_unknown=unknown_queue))
     output.action(result, queue)
 
 
 @app.command()
-def resume(queue: Annotated[str, typer.Argument()], reason: ReasonOpt = None, dsn: DsnOpt = None) -> None:
+def resume(
+    queue: Annotated[str, typer.Argument()],
+    reason: ReasonOpt = None,
+    unknown_queue: UnknownQueueOpt = False,
+    dsn: DsnOpt = None,
+) -> None:
     """Workers claim from QUEUE again."""
     with connect(dsn) as conn:
-        result = guarded(lambda: ops.resume(conn, queue, reason=reason))
+        result = guarded(lambda: ops.resume(conn, queue, reason=reason, allow_unknown=unknown_queue))
     output.action(result, queue)
 
 

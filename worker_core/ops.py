@@ -15,7 +15,7 @@ import psycopg
 
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
-from worker_core.envelope import JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
+from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
 from worker_core.models import ActionResult
 from worker_core.sql import queries
@@ -172,7 +172,8 @@ def requeue(
         audit_id = _audit(conn, now, actor, "requeue", job_ids=changed, reason=reason, detail=detail)
         for q in sorted({r["queue"] for r in rows}):
             conn.execute(queries["notify_queue"], {"queue": q})
-        skipped = [i for i in ids if i not in set(changed)]
+        done = set(changed)
+        skipped = [i for i in ids if i not in done]
         why = _why_not_requeued(conn, skipped)
     return ActionResult("requeue", len(ids), changed, skipped, audit_id, why)
 
@@ -219,7 +220,28 @@ def kill(
             conn, now, actor, "kill", job_ids=changed, reason=reason,
             detail={"cancelled": len(waiting), "signalled_running": len(running), "requested": len(ids)},
         )  # fmt: skip
-    return ActionResult("kill", len(ids), changed, [i for i in ids if i not in set(changed)], audit_id)
+        done = set(changed)
+        skipped = [i for i in ids if i not in done]
+        why = _why_not_killed(conn, skipped)
+    return ActionResult("kill", len(ids), changed, skipped, audit_id, why)
+
+
+def _why_not_killed(conn: Conn, skipped: list[uuid.UUID]) -> dict[uuid.UUID, str]:
+    """A skipped kill's reason: no such job, a job already finished, or one already being killed (its worker
+    stops it within a heartbeat)."""
+    if not skipped:
+        return {}
+    rows = {r["id"]: r for r in conn.execute(queries["jobs_state_and_dedup"], {"ids": skipped})}
+    out = {}
+    for jid in skipped:
+        row = rows.get(jid)
+        if row is None:
+            out[jid] = "no such job"
+        elif row["state"] == "running" and row["cancel_requested"]:
+            out[jid] = "it is being killed already"
+        else:
+            out[jid] = f"it is {row['state']}"
+    return out
 
 
 def group_job_ids(conn: Conn, job_type: str, fingerprint: str, state: str = "dead_lettered") -> list[uuid.UUID]:
@@ -241,13 +263,24 @@ def set_paused(
     actor: Actor | None = None,
     reason: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    allow_unknown: bool = False,
 ) -> ActionResult:
+    """Pause or resume a queue. A queue (but ``default``) no job, worker, type or earlier pause names is refused unless
+    ``allow_unknown``: "resume biling" reported success, nothing audited as wrong, while billing stayed
+    paused through the incident."""
     if not QUEUE_RE.match(queue):
         raise ValueError(f"{queue!r} is not a queue name")
     actor = actor or Actor.current()
     now = clock.now()
     with conn.transaction():
         ensure_writable(conn)
+        found = conn.execute(queries["queue_known"], {"queue": queue}).fetchone()
+        if not allow_unknown and queue != DEFAULT_QUEUE and found is not None and not found["known"]:
+            now_paused = ", ".join(found["paused"]) or "none"
+            raise ValueError(
+                f"no job, worker or earlier pause names queue {queue!r}: check its spelling (paused now:"
+                f" {now_paused}; a queue still to come: allow_unknown / --unknown-queue)"
+            )
         conn.execute(queries["queue_set_paused"], {"name": queue, "paused": paused, "now": now, "actor": str(actor)})
         audit_id = _audit(conn, now, actor, "pause" if paused else "resume", queue=queue, reason=reason)
         conn.execute(queries["notify_control"], {"what": "queues"})

@@ -237,6 +237,14 @@ def test_limit_and_migrate_errors_are_messages_and_exit_codes(cli: Any, conn: db
     # other commands go on (an operator's command in an incident), but say it
     result = cli("jobs", "--json")
     assert "warning: migrations 0001_init differ" in result.stderr and json.loads(result.stdout) is not None
+    # a worker does not start on it (it said so, and started)
+    refused = cli("worker", "--tasks", "tests.worker_core.tasks", "--burst", code=3)
+    assert "its workers refuse to start" in refused.output
+
+
+def test_enqueue_with_a_task_module_that_does_not_import_is_bad_input(cli: Any) -> None:
+    # a 44-line traceback and exit 1
+    assert "cannot import task module" in cli("enqueue", "t.ok", "--tasks", "no_such_module_here", code=2).output
 
 
 def test_data_is_printed_as_text_never_as_markup_or_escape_sequences(cli: Any, conn: db.Conn) -> None:
@@ -302,3 +310,17 @@ def test_retention_out_of_range_is_refused_by_the_library_too() -> None:
     for bad in (float("inf"), float("nan"), -1.0, 1e12):
         with pytest.raises(ValueError, match="retention failed_seconds must be between"):
             Retention(failed_seconds=bad)
+
+
+def test_pause_and_resume_refuse_a_misspelt_queue(cli: Any, conn: db.Conn) -> None:
+    # "resume biling" reported "resumed queue biling", exit 0, while billing stayed paused
+    cli("enqueue", "t.ok", "--queue", "billing")
+    cli("pause", "billing", "--reason", "INC-9")
+    out = cli("resume", "biling", code=2).output
+    assert "no job, worker or earlier pause names queue 'biling'" in out and "paused now: billing" in out
+    assert cli("pause", "reports", code=2).output.count("check its spelling") == 1
+    assert [q.name for q in stats.queues(conn) if q.paused] == ["billing"]
+    assert [a.action for a in stats.audit_log(conn)] == ["pause"]  # nothing audited for the refusals
+    cli("pause", "reports", "--unknown-queue")  # a queue still to come, on purpose
+    cli("resume", "billing")
+    assert [q.name for q in stats.queues(conn) if q.paused] == ["reports"]

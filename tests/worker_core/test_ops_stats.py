@@ -47,7 +47,7 @@ def workload(admin_dsn: str, template_db: str) -> Iterator[dict[str, Any]]:
         run_burst(dsn)
         ids["late"] = enqueue(conn, "t.ok", {}, queue="lagging", clock=FixedClock(NOW - dt.timedelta(seconds=120))).id
         ids["future"] = enqueue(conn, "t.ok", {}, queue="lagging", delay_seconds=3600, clock=FixedClock(NOW)).id
-        ops.pause(conn, "held", actor=ops.Actor("setup"))
+        ops.pause(conn, "held", actor=ops.Actor("setup"), allow_unknown=True)  # before its job
         ids["held"] = enqueue(conn, "t.ok", {}, queue="held", clock=FixedClock(NOW)).id
     yield {"dsn": dsn, **ids}
     with psycopg.connect(admin_dsn, autocommit=True) as c:
@@ -556,3 +556,16 @@ def test_error_times_as_postgresql_writes_them_into_json_are_read_back(conn: db.
         assert AttemptError.from_json({"attempt": 1, "at": text["at"]}).at == t
     assert parse_timestamp("2030-01-01T12:00:25.1+00") == times[1]
     assert parse_timestamp("not a time") is None
+
+
+def test_a_skipped_kill_says_why(conn: db.Conn) -> None:
+    # it said "not in a state that allows kill" for a job that does not exist, where requeue said "no such
+    # job", and the same for a job already being killed
+    done = enqueue(conn, "t.ok", {}).id
+    conn.execute("UPDATE job_queue SET state = 'succeeded', finished_at = now() WHERE id = %s", (done,))
+    running = enqueue(conn, "t.ok", {}).id
+    conn.execute("UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'w' WHERE id = %s", (running,))
+    ghost = uuid.uuid4()
+    assert ops.kill(conn, [running], actor=ops.Actor("oncall")).changed == [running]
+    result = ops.kill(conn, [done, running, ghost], actor=ops.Actor("oncall"))
+    assert result.why_skipped == {done: "it is succeeded", running: "it is being killed already", ghost: "no such job"}

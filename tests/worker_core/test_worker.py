@@ -742,7 +742,7 @@ def test_a_pause_holds_the_jobs_a_worker_claimed_but_has_not_started(conn: db.Co
 def test_a_dropped_job_in_a_paused_queue_does_not_hold_up_the_other_queues(conn: db.Conn, dsn: str) -> None:
     # a job whose worker died, its lease expired, in a paused queue: only a solo claim may take it, and the
     # pause forbids that. The worker must not stop claiming (to drain for a solo claim) on every heartbeat
-    ops.pause(conn, "stuck", actor=ME)
+    ops.pause(conn, "stuck", actor=ME, allow_unknown=True)  # before any job of it
     dropped = enqueue(conn, "t.ok", {}, queue="stuck").id
     conn.execute(
         "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'gone',"

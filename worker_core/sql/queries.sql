@@ -219,6 +219,15 @@ WITH running AS (
 SELECT EXISTS (SELECT 1 FROM job_type_contracts WHERE job_type = %(job_type)s)
     OR EXISTS (SELECT 1 FROM job_queue WHERE job_type = %(job_type)s) AS known;
 
+-- name: queue_known
+-- A queue paused or resumed before, one a worker registered a type in or listens to, or one a job has: what
+-- pause and resume may name. With it, the queues paused now (for the message when it is not known).
+SELECT (EXISTS (SELECT 1 FROM queues WHERE name = %(queue)s)
+        OR EXISTS (SELECT 1 FROM job_type_contracts WHERE queue = %(queue)s)
+        OR EXISTS (SELECT 1 FROM workers WHERE stopped_at IS NULL AND %(queue)s = ANY(queues))
+        OR EXISTS (SELECT 1 FROM job_queue WHERE queue = %(queue)s)) AS known,
+       ARRAY(SELECT name FROM queues WHERE paused ORDER BY name) AS paused;
+
 -- name: limit_lock
 SELECT pg_advisory_xact_lock(hashtext('qconsole-limit:' || %(job_type)s || ':' || %(scope)s));
 
@@ -674,7 +683,7 @@ WHERE j.id = old.id AND j.state IN ('dead_lettered', 'failed', 'cancelled') AND 
 RETURNING j.id, j.queue, j.max_attempts - j.attempts AS budget, old.payload AS old_payload;
 
 -- name: jobs_state_and_dedup
-SELECT id, state, dedup_key FROM job_queue WHERE id = ANY(%(ids)s);
+SELECT id, state, dedup_key, cancel_requested FROM job_queue WHERE id = ANY(%(ids)s);
 
 -- name: kill_jobs
 -- Waiting jobs are cancelled now; a running job is flagged, and its worker cancels it within a heartbeat.
