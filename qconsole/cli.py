@@ -497,9 +497,7 @@ def pause(
 ) -> None:
     """Workers stop claiming from QUEUE and give back what they claimed but have not started (running jobs
     finish)."""
-    with connect(dsn) as conn:
-        result = guarded(lambda: ops.pause(conn, queue, reason=reason, allow_unknown=unknown_queue))
-    output.action(result, queue)
+    _set_paused(queue, True, reason, unknown_queue, dsn)
 
 
 @app.command()
@@ -510,8 +508,12 @@ def resume(
     dsn: DsnOpt = None,
 ) -> None:
     """Workers claim from QUEUE again."""
+    _set_paused(queue, False, reason, unknown_queue, dsn)
+
+
+def _set_paused(queue: str, paused: bool, reason: str | None, unknown_queue: bool, dsn: str | None) -> None:
     with connect(dsn) as conn:
-        result = guarded(lambda: ops.resume(conn, queue, reason=reason, allow_unknown=unknown_queue))
+        result = guarded(lambda: ops.set_paused(conn, queue, paused, reason=reason, allow_unknown=unknown_queue))
     output.action(result, queue)
 
 
