@@ -23,7 +23,16 @@ import psycopg
 from worker_core import db, ops, stats
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.errors import ReadOnlyError
-from worker_core.models import ActionResult, AuditEntry, DeadLetterGroup, Job, Overview, TypeContract, WorkerInfo
+from worker_core.models import (
+    ActionResult,
+    AuditEntry,
+    DeadLetterGroup,
+    DeadLetterGroups,
+    Job,
+    Overview,
+    TypeContract,
+    WorkerInfo,
+)
 
 APPLICATION_NAME = "qconsole-console"
 STATEMENT_TIMEOUT_MS = 3000
@@ -80,7 +89,7 @@ class ConsoleBackend(Protocol):
 
     def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]: ...
 
-    def dead_letter_groups(self) -> list[DeadLetterGroup]: ...
+    def dead_letter_groups(self) -> DeadLetterGroups: ...
 
     def group_job_ids(self, group: DeadLetterGroup) -> list[uuid.UUID]: ...
 
@@ -152,6 +161,7 @@ class DatabaseBackend:
                 read_only=self.read_only,
                 connect_timeout=self.connect_timeout,
                 jit=False,
+                tolerant_json=True,
             )
         return self._conn
 
@@ -223,7 +233,7 @@ class DatabaseBackend:
     def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]:
         return self._call(lambda c: (stats.get_job(c, job_id), stats.job_lock(c, job_id)))
 
-    def dead_letter_groups(self) -> list[DeadLetterGroup]:
+    def dead_letter_groups(self) -> DeadLetterGroups:
         return self._call(lambda c: stats.dead_letter_groups(c, states=DEAD_LETTER_STATES))
 
     def group_job_ids(self, group: DeadLetterGroup) -> list[uuid.UUID]:

@@ -77,7 +77,9 @@ def connect(
     except RuntimeError as e:
         fail(str(e), 3)
     try:
-        conn = db.connect(target, application_name="qconsole-cli", autocommit=autocommit, read_only=read_only)
+        conn = db.connect(
+            target, application_name="qconsole-cli", autocommit=autocommit, read_only=read_only, tolerant_json=True
+        )
     except psycopg.OperationalError as e:
         fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
     try:

@@ -147,6 +147,10 @@ def dead_letter_groups(groups: list[DeadLetterGroup], as_json: bool) -> None:
     for g in groups:
         _row(t, g.job_type, str(g.count), ts(g.first_seen), ts(g.last_seen), g.fingerprint[:70])
     console.print(t)
+    total = getattr(groups, "total_groups", len(groups))
+    if total > len(groups):
+        console.print(f"the {len(groups)} biggest of {total} groups ({getattr(groups, 'dead', 0)} jobs in all):"
+                      " --type narrows them", markup=False)  # fmt: skip
 
 
 def audit(rows: list[AuditEntry], as_json: bool) -> None:

@@ -6,6 +6,7 @@ then ``DATABASE_URL``, else the embedded PostgreSQL server (worker_core.embedded
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
+from psycopg.types.json import set_json_loads
 
 DSN_ENV_VARS = ("QCONSOLE_DSN", "DATABASE_URL")
 Conn = psycopg.Connection[dict[str, Any]]
@@ -133,10 +135,11 @@ def connect(
     connect_timeout: int = 5,
     cls: type[Conn] = psycopg.Connection,
     jit: bool = True,
+    tolerant_json: bool = False,
 ) -> Conn:
     """A connection with dict rows. ``read_only`` makes every transaction read-only on the server side;
     ``jit=False`` turns the server's JIT compilation off (the console's short reads paid 40-130 ms of it on
-    large tables, for nothing)."""
+    large tables, for nothing); ``tolerant_json``: see read_json."""
     kwargs: dict[str, Any] = {
         "application_name": application_name,
         "connect_timeout": connect_timeout,
@@ -144,7 +147,27 @@ def connect(
     }
     if statement_timeout_ms or read_only or not jit:
         kwargs["options"] = _options(dsn, statement_timeout_ms, read_only, jit)
-    return cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
+    conn = cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
+    if tolerant_json:
+        set_json_loads(read_json, conn)
+    return conn
+
+
+#: what read_json gives for JSON Python cannot decode: ``{UNDECODABLE: why}``
+UNDECODABLE = "(undecodable)"
+
+
+def read_json(data: str | bytes) -> Any:
+    """JSON as the console and the CLI read it: a value Python cannot decode (nested too deeply, a number of
+    more than 4,300 digits: written by another producer than ours) reads as ``{"(undecodable)": why}``.
+    Raised, it failed every list the job was in (its queue's, its type's, the failed jobs') until retention
+    pruned it; the worker fails such a job on its own (worker._loads_utf8)."""
+    try:
+        return json.loads(data if isinstance(data, str) else str(data, "utf-8"))
+    except RecursionError:
+        return {UNDECODABLE: "nested too deeply to decode"}
+    except ValueError as e:
+        return {UNDECODABLE: str(e)}
 
 
 async def aconnect(

@@ -6,6 +6,7 @@ import datetime as dt
 import enum
 import re
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,6 +274,20 @@ class DeadLetterGroup:
     last_seen: dt.datetime
     job_ids: list[uuid.UUID]
     state: str = "dead_lettered"
+
+
+class DeadLetterGroups(list[DeadLetterGroup]):
+    """The biggest groups (stats.dead_letter_groups' ``limit``), and what there is in all: a screen that sums
+    only the groups it shows undercounts, and says nothing of those it does not."""
+
+    def __init__(
+        self, groups: Iterable[DeadLetterGroup] = (), *, total_groups: int = 0, dead: int = 0, retrying: int = 0
+    ) -> None:
+        super().__init__(groups)
+        self.total_groups = max(total_groups, len(self))
+        #: jobs dead-lettered or failed, and waiting for a retry, in every group
+        self.dead = dead
+        self.retrying = retrying
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from worker_core.models import (
     WAITING_STATES,
     AuditEntry,
     DeadLetterGroup,
+    DeadLetterGroups,
     Job,
     JobState,
     Overview,
@@ -335,12 +336,14 @@ def dead_letter_groups(
     states: tuple[str, ...] = ("dead_lettered",),
     limit: int = 200,
     max_ids: int = 1000,
-) -> list[DeadLetterGroup]:
+) -> DeadLetterGroups:
+    """The biggest ``limit`` groups of jobs by type, error fingerprint and state, with what there is in all."""
     rows = conn.execute(
         queries["dead_letter_groups"],
         {"states": list(states), "job_type": job_type, "limit": limit, "max_ids": max_ids},
     ).fetchall()
-    return [
+    first = rows[0] if rows else {}
+    groups = [
         DeadLetterGroup(
             job_type=r["job_type"],
             fingerprint=r["fingerprint"],
@@ -353,6 +356,12 @@ def dead_letter_groups(
         )
         for r in rows
     ]
+    return DeadLetterGroups(
+        groups,
+        total_groups=int(first.get("total_groups") or 0),
+        dead=int(first.get("total_dead") or 0),
+        retrying=int(first.get("total_retrying") or 0),
+    )
 
 
 def audit_log(conn: Conn, limit: int = 100) -> list[AuditEntry]:

@@ -20,7 +20,7 @@ from qconsole.messages import ActionFailed
 from qconsole.screens.base import ACTION_GROUP, ConsoleScreen
 from qconsole.widgets import fmt
 from qconsole.widgets.table import LiveTable, cell
-from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, ActionResult, DeadLetterGroup
+from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, ActionResult, DeadLetterGroup, DeadLetterGroups
 
 MARK = "●"
 COLUMNS = [
@@ -108,9 +108,15 @@ class DeadLettersScreen(ConsoleScreen):
 
     def _paint_summary(self) -> None:
         t = Text(no_wrap=True, overflow="ellipsis")
-        dead = sum(g.count for g in self.groups if g.state in REQUEUEABLE)
-        retrying = sum(g.count for g in self.groups if g.state not in REQUEUEABLE)
-        t.append(f" {len(self.groups)} group(s)", style="bold")
+        groups = self.groups
+        if isinstance(groups, DeadLetterGroups):  # what there is in all, not only the groups shown
+            total, dead, retrying = groups.total_groups, groups.dead, groups.retrying
+        else:
+            total = len(groups)
+            dead = sum(g.count for g in groups if g.state in REQUEUEABLE)
+            retrying = sum(g.count for g in groups if g.state not in REQUEUEABLE)
+        shown = f" top {len(groups)} of {total} groups" if total > len(groups) else f" {total} group(s)"
+        t.append(shown, style="bold")
         t.append(f" │ {dead} dead/failed │ {retrying} retrying")
         marked = self.targets() if self.marked else []
         if marked:

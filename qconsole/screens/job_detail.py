@@ -19,10 +19,21 @@ from qconsole.screens.base import ConsoleScreen
 from qconsole.widgets import fmt
 from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, Job
 
+#: what the detail shows of a job, at most (the CLI's `qconsole job ID` shows it all)
+MAX_PAYLOAD_LINES = 200
+MAX_PAYLOAD_CHARS = 20_000
+MAX_ERRORS_SHOWN = 20
+MAX_ERROR_CHARS = 1_000
+
 
 def _t(text: str, **kwargs: Any) -> Text:
     """Text of job data: escape sequences and control characters never reach the terminal."""
     return Text(fmt.printable(text), **kwargs)
+
+
+def _cut(text: str, limit: int) -> str:
+    """At most ``limit`` characters, lines kept (fmt.clip makes one line)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _kv(rows: list[tuple[str, Any]]) -> Table:
@@ -69,6 +80,45 @@ class JobDetailScreen(ConsoleScreen):
         self.job = job
         self.query_one("#job-body", Static).update(self.render_job(job, lock))
 
+    #: the errors and the payload as last rendered, and the job version they are of (see _heavy_parts)
+    _heavy: tuple[tuple[Any, ...], list[RenderableType]] | None = None
+
+    def _heavy_parts(self, job: Job) -> list[RenderableType]:
+        """The errors table and the payload, clipped (a payload of 277 kB took 23 s to show, and stalled the
+        whole console for seconds on every refresh), and made again only when the job changed."""
+        version = (job.updated_at, len(job.errors), self.app.current_theme.dark)
+        if self._heavy is not None and self._heavy[0] == version:
+            return self._heavy[1]
+        parts: list[RenderableType] = []
+        if job.errors:
+            table = Table(box=None, padding=(0, 1), show_edge=False, expand=True)
+            table.add_column("#", justify="right", no_wrap=True)
+            table.add_column("kind", no_wrap=True)
+            table.add_column("error", ratio=1, overflow="fold")
+            table.add_column("worker / when", no_wrap=False, max_width=28)
+            shown = job.errors[-MAX_ERRORS_SHOWN:]
+            if len(shown) < len(job.errors):
+                more = len(job.errors) - len(shown)
+                table.add_row("", "", _t(f"… {more} earlier attempt(s): qconsole job {job.id}", style="italic"), "")
+            for e in shown:
+                message = _cut(f"{e.error_class}: {e.message}", MAX_ERROR_CHARS)
+                table.add_row(str(e.attempt), e.kind, _t(message), _t(f"{e.worker or '-'}\n{fmt.hms(e.at)} UTC"))
+            parts.append(table)
+        else:
+            parts.append(_t("none"))
+        parts.append(_section("payload"))
+        theme = "ansi_dark" if self.app.current_theme.dark else "ansi_light"
+        text = fmt.pretty_json(job.payload)
+        lines = text.splitlines()
+        if len(lines) > MAX_PAYLOAD_LINES or len(text) > MAX_PAYLOAD_CHARS:
+            kept = _cut("\n".join(lines[:MAX_PAYLOAD_LINES]), MAX_PAYLOAD_CHARS)
+            parts.append(_t(kept))
+            parts.append(_t(f"… {len(text):,} characters in all: qconsole job {job.id} --json", style="italic"))
+        else:
+            parts.append(Syntax(text, "json", theme=theme, background_color="default"))
+        self._heavy = (version, parts)
+        return parts
+
     def show_failure(self, error: str) -> None:
         self.job = None  # nothing to act on
         if error.startswith("NotFound"):
@@ -110,25 +160,7 @@ class JobDetailScreen(ConsoleScreen):
             parts.append(_kv([("lease", lease), ("lock", lock_text)]))
 
         parts.append(_section(f"errors ({len(job.errors)} attempt(s) failed)"))
-        if job.errors:
-            table = Table(box=None, padding=(0, 1), show_edge=False, expand=True)
-            table.add_column("#", justify="right", no_wrap=True)
-            table.add_column("kind", no_wrap=True)
-            table.add_column("error", ratio=1, overflow="fold")
-            table.add_column("worker / when", no_wrap=False, max_width=28)
-            for e in job.errors:
-                table.add_row(
-                    str(e.attempt),
-                    e.kind,
-                    _t(f"{e.error_class}: {e.message}"),
-                    _t(f"{e.worker or '-'}\n{fmt.hms(e.at)} UTC"),
-                )
-            parts.append(table)
-        else:
-            parts.append(_t("none"))
-        parts.append(_section("payload"))
-        theme = "ansi_dark" if self.app.current_theme.dark else "ansi_light"
-        parts.append(Syntax(fmt.pretty_json(job.payload), "json", theme=theme, background_color="default"))
+        parts.extend(self._heavy_parts(job))
         parts.append(_section("envelope"))
         rp = job.retry_policy or {}
         parts.append(

@@ -187,3 +187,25 @@ def test_closing_the_backend_does_not_wait_for_a_read_the_server_never_answers(d
     reader.join(10)
     assert not closer.is_alive() and not reader.is_alive()
     assert outcome == ["OperationalError"]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    ["'{\"n\": ' || repeat('9', 5000) || '}'", "'{\"a\": ' || repeat('[', 3000) || repeat(']', 3000) || '}'"],
+    ids=["long", "deep"],
+)
+def test_a_payload_python_cannot_decode_hides_no_list(dsn: str, conn: db.Conn, make_job: Any, payload: str) -> None:
+    # written by another producer than ours: decoded with json.loads, it failed every list the job was in
+    # (its queue's, its type's, the failed ones') until retention pruned it, and its own detail
+    ok = make_job("t.ok", {})
+    bad = make_job("t.ok", {})
+    conn.execute(f"UPDATE job_queue SET payload = ({payload})::jsonb WHERE id = %s", (bad,))  # noqa: S608
+    conn.commit()
+    backend = DatabaseBackend(dsn)
+    try:
+        listed = {j.id: j for j in backend.list_jobs(state=None, job_type="t.ok", queue=None, search=None, limit=50)}
+        assert set(listed) == {ok, bad}
+        assert list(listed[bad].payload) == [db.UNDECODABLE]
+        assert backend.get_job(bad)[0].payload[db.UNDECODABLE]
+    finally:
+        backend.close()

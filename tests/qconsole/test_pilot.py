@@ -7,6 +7,8 @@ new current loop behind so that later ``snap_compare`` calls still find one (Tex
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import os
 import subprocess
 import sys
@@ -19,8 +21,10 @@ from typing import Any
 
 import psutil
 import pytest
+import rich.console
 from psycopg.conninfo import make_conninfo
 from textual.pilot import Pilot
+from textual.widgets import Static
 
 import tests.worker_core.tasks
 from qconsole.app import QConsoleApp, make_app
@@ -217,6 +221,39 @@ def test_a_job_gone_while_its_detail_is_open_is_said_so_not_taken_for_an_outage(
     run_async(scenario())
 
 
+def test_a_large_payload_and_many_errors_are_shown_clipped_and_made_once(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
+    # a 94 kB payload took 3.5 s to show and stalled the console for seconds on every refresh (277 kB: 23 s);
+    # so did 200 attempts' long errors
+    items = [{"sku": f"SKU-{i:05d}", "qty": i % 7, "note": "x" * 10} for i in range(3000)]
+    j = make_job("t.ok", {"items": items})
+    errors = [{"attempt": i, "kind": "transient", "class": "Boom", "message": "m" * 2000, "worker": "w",
+               "at": "2026-11-30T12:00:00+00:00"} for i in range(1, 201)]  # fmt: skip
+    conn.execute("UPDATE job_queue SET errors = %s::jsonb WHERE id = %s", (json.dumps(errors), j))
+    conn.commit()
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = JobDetailScreen(j)
+            app.push_screen(screen)
+            await settle(pilot)
+            out = rich.console.Console(width=400, file=io.StringIO(), record=True)
+            out.print(screen.query_one("#job-body", Static).content)
+            body = out.export_text()
+            assert f"characters in all: qconsole job {j} --json" in body
+            assert f"180 earlier attempt(s): qconsole job {j}" in body
+            assert len(body) < 60_000, len(body)
+            made = screen._heavy
+            screen.reload()
+            await settle(pilot)
+            assert screen._heavy is made  # the job did not change: not made again
+
+    run_async(scenario())
+
+
 def test_cancelling_the_confirmation_changes_nothing(dsn: str, conn: db.Conn, make_job: Any) -> None:
     dead = [make_job("t.unknown", {"key": "k"}) for _ in range(2)]
     run_worker_until(dsn, lambda: states(conn, dead) == [JobState.DEAD_LETTERED] * 2)
@@ -235,6 +272,28 @@ def test_cancelling_the_confirmation_changes_nothing(dsn: str, conn: db.Conn, ma
     run_async(scenario())
     assert states(conn, dead) == [JobState.DEAD_LETTERED] * 2
     assert stats.audit_log(conn) == []
+
+
+def test_the_dead_letters_screen_says_it_shows_the_top_groups_and_counts_them_all(dsn: str, conn: db.Conn) -> None:
+    # it showed the 200 biggest groups, summed only those, and said nothing of the rest
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error, error_fingerprint)"
+        " SELECT 't.ok', 'default', '{}', 'dead_lettered', now(), 'E' || (g % 250), 'E' || (g % 250)"
+        " FROM generate_series(1, 1000) g"
+    )
+    conn.commit()
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 24)) as pilot:
+            await settle(pilot)
+            await pilot.press("d")
+            await settle(pilot)
+            assert isinstance(app.screen, DeadLettersScreen)
+            summary = str(app.screen.query_one("#dl-summary", Static).render())
+            assert "top 200 of 250 groups │ 1000 dead/failed │ 0 retrying" in summary, summary
+
+    run_async(scenario())
 
 
 def test_kill_a_group_of_retrying_jobs(dsn: str, conn: db.Conn, make_job: Any) -> None:

@@ -617,7 +617,11 @@ SELECT lock_key, token, job_id, expires_at FROM resource_locks WHERE job_id = %(
 WITH groups AS MATERIALIZED (
     SELECT job_type, error_fingerprint, state, count(*) AS n,
            min(coalesce(finished_at, updated_at)) AS first_seen,
-           max(coalesce(finished_at, updated_at)) AS last_seen
+           max(coalesce(finished_at, updated_at)) AS last_seen,
+           -- over every group, before the LIMIT: what the screen says it shows the top of
+           count(*) OVER () AS total_groups,
+           sum(count(*)) FILTER (WHERE state <> 'retry_scheduled') OVER () AS total_dead,
+           sum(count(*)) FILTER (WHERE state = 'retry_scheduled') OVER () AS total_retrying
     FROM job_queue
     WHERE state IN ('dead_lettered', 'failed', 'retry_scheduled') AND state = ANY(%(states)s)
       AND (%(job_type)s::text IS NULL OR job_type = %(job_type)s)
@@ -626,7 +630,8 @@ WITH groups AS MATERIALIZED (
     LIMIT %(limit)s
 )
 SELECT g.job_type, coalesce(g.error_fingerprint, '(no error recorded)') AS fingerprint, g.state, g.n,
-       g.first_seen, g.last_seen, newest.sample_error, newest.job_ids
+       g.first_seen, g.last_seen, newest.sample_error, newest.job_ids, g.total_groups, g.total_dead,
+       g.total_retrying
 FROM groups g
 CROSS JOIN LATERAL (
     SELECT (array_agg(p.last_error ORDER BY p.at DESC, p.id))[1] AS sample_error,
