@@ -76,11 +76,13 @@ class Supervisor:
         self.children[slot] = (proc, worker_id)
 
     def _expire(self, worker_id: str) -> None:
+        """A child that died: its leases end now, and its row in ``workers`` says it stopped (it read as alive
+        until its heartbeat went stale)."""
         try:
             with db.connect(self.dsn, application_name="qconsole-supervisor") as conn, conn.transaction():
-                rows = conn.execute(
-                    queries["expire_worker_leases"], {"now": SYSTEM_CLOCK.now(), "workers": [worker_id]}
-                ).fetchall()
+                now = SYSTEM_CLOCK.now()
+                rows = conn.execute(queries["expire_worker_leases"], {"now": now, "workers": [worker_id]}).fetchall()
+                conn.execute(queries["worker_stopped"], {"now": now, "id": worker_id})
             if rows:
                 self.log.warning("ended %s leases of dead worker %s", len(rows), worker_id)
         except psycopg.Error as e:
@@ -152,6 +154,9 @@ class Supervisor:
                 self.log.error("worker %s did not stop in time: killed", worker_id)
                 proc.kill()
                 proc.join(5)
+            if proc.exitcode != 0:
+                # killed, or died of its own during the stop (a payload that kills its process): what it
+                # held is released now, not when its leases run out. A clean exit released its jobs itself
                 self._expire(worker_id)
         return 0
 

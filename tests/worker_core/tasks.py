@@ -518,3 +518,10 @@ worker_core.task("t.async_callable", retry=FAST, reason="tests need fast, bounde
 def returns_coroutine(ctx: JobContext, payload: dict[str, Any]) -> Any:
     """A sync function that returns a coroutine, with nothing to say what it is."""
     return async_plain(ctx, payload)
+
+
+@worker_core.task("t.crash_later", retry=FAST, timeout=20, reason="tests need fast, bounded retries")
+def crash_later(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Kills its process after ``seconds``, whatever happens meanwhile (a stop, its cancellation)."""
+    time.sleep(payload["seconds"])
+    os._exit(13)

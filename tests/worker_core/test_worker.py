@@ -1087,6 +1087,29 @@ def test_processes_a_payload_that_kills_its_process_is_dead_lettered_while_other
     assert scalar(dsn, live) == 0
 
 
+def test_a_worker_process_that_dies_during_the_stop_has_its_leases_ended(conn: db.Conn, dsn: str) -> None:
+    # only a child the supervisor had to kill had its leases ended: one that died on its own during the
+    # grace (a payload that kills its process) left its jobs running, held by nobody, for a whole lease
+    doomed = enqueue(conn, "t.crash_later", {"seconds": 1.5}, visibility_timeout_seconds=120).id
+    slow = enqueue(conn, "t.slow", {"seconds": 30}, visibility_timeout_seconds=120).id
+    conn.commit()
+    sup = Supervisor(config(dsn, burst=False, concurrency=2, task_modules=TASKS, shutdown_grace=5), processes=1)
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(sup.run()), daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: state(dsn, doomed) == state(dsn, slow) == "running", 30, what="both jobs to start")
+        worker_id = job(dsn, slow)["locked_by"]
+        sup.stop()
+        t.join(60)
+    finally:
+        sup.stop()
+    assert result == [0]
+    ended = "SELECT locked_until <= now() FROM job_queue WHERE id = %s"
+    assert scalar(dsn, ended, (doomed,)) and scalar(dsn, ended, (slow,))  # any worker may take them at once
+    assert scalar(dsn, "SELECT stopped_at IS NOT NULL FROM workers WHERE id = %s", (worker_id,))
+
+
 def test_a_supervisor_that_cannot_start_a_worker_stops_the_ones_it_started(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
