@@ -17,6 +17,7 @@ from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
 from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
+from worker_core.metrics import MetricsBuffer
 from worker_core.models import ActionResult
 from worker_core.sql import queries
 
@@ -215,6 +216,13 @@ def kill(
         rows = conn.execute(queries["kill_jobs"], {"ids": ids, "now": now, "message": message}).fetchall()
         waiting = [r["id"] for r in rows if r["cancelled"]]
         running = [r["id"] for r in rows if not r["cancelled"]]
+        if waiting:
+            # counted here, with the kill: no worker settles them (the running ones are counted by theirs)
+            counts = MetricsBuffer(clock)
+            for r in rows:
+                if r["cancelled"]:
+                    counts.add(r["queue"], r["job_type"], "cancelled")
+            counts.flush(conn)
         changed = waiting + running
         audit_id = _audit(
             conn, now, actor, "kill", job_ids=changed, reason=reason,

@@ -569,3 +569,11 @@ def test_a_skipped_kill_says_why(conn: db.Conn) -> None:
     assert ops.kill(conn, [running], actor=ops.Actor("oncall")).changed == [running]
     result = ops.kill(conn, [done, running, ghost], actor=ops.Actor("oncall"))
     assert result.why_skipped == {done: "it is succeeded", running: "it is being killed already", ghost: "no such job"}
+
+
+def test_a_kill_of_waiting_jobs_is_counted_as_cancelled(conn: db.Conn) -> None:
+    # only workers counted cancelled jobs: the ones an operator killed while they waited were never counted
+    ids = [enqueue(conn, "t.ok", {}).id for _ in range(4)]
+    conn.commit()
+    assert len(ops.kill(conn, ids, actor=ops.Actor("oncall")).changed) == 4
+    assert {t.job_type: t.cancelled for t in stats.overview(conn).types}["t.ok"] == 4

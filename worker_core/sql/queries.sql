@@ -707,7 +707,7 @@ UPDATE job_queue SET
     updated_at = %(now)s
 WHERE id = ANY(%(ids)s)
   AND (state IN ('queued', 'retry_scheduled') OR (state = 'running' AND NOT cancel_requested))
-RETURNING id, state = 'cancelled' AS cancelled;
+RETURNING id, state = 'cancelled' AS cancelled, queue, job_type;
 
 -- name: group_ids
 -- `fingerprint` NULL for the group of jobs with no error recorded (ops.group_job_ids): "=" or IS NULL, each
