@@ -7,6 +7,7 @@ slow database never stacks reads; a failed read shows the outage banner and is r
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -99,11 +100,17 @@ class ConsoleScreen(Screen[None]):
             return
         self.post_message(DataFetched(data))
 
+    #: when this screen's data was read (the title bar and the outage banner say it: another screen's read
+    #: is no age of what this one shows)
+    data_at: dt.datetime | None = None
+
     @on(DataFetched)
     def _fetched(self, message: DataFetched) -> None:
         message.stop()
         self._last_failure = None
+        self.data_at = self.qapp.clock.now()
         self.qapp.note_ok()
+        self.query_one(TitleBar).repaint()  # the age it gives is this screen's (note_ok repaints on change)
         self.show(message.data)
 
     @on(FetchFailed)

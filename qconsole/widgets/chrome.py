@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import TYPE_CHECKING, Any, cast
 
 from rich.text import Text
@@ -38,6 +39,9 @@ class TitleBar(Static):
         self.watch(self.app, "last_ok", self._paint, init=True)
         self.watch(self.app, "db_error", self._paint, init=False)
 
+    def repaint(self) -> None:
+        self._paint()
+
     def _paint(self, _value: object = None) -> None:
         app = self.qapp
         t = Text(no_wrap=True, overflow="ellipsis")
@@ -51,10 +55,17 @@ class TitleBar(Static):
         if app.db_error is not None:
             t.append("✗ OFFLINE", style="bold reverse")
             t.append(" │ ")
-        t.append(f"data {fmt.hms(app.last_ok)} UTC" if app.last_ok else "loading…")
+        at = _data_at(self)
+        t.append(f"data {fmt.hms(at)} UTC" if at else "loading…")
         t.append(" │ ")
         t.append(app.backend.description)
         self.update(t)
+
+
+def _data_at(widget: Static) -> dt.datetime | None:
+    """When the data of the widget's screen was read (ConsoleScreen.data_at)."""
+    at = getattr(widget.screen, "data_at", None)
+    return at if isinstance(at, dt.datetime) else None
 
 
 class OutageBanner(Static):
@@ -94,10 +105,8 @@ class OutageBanner(Static):
         if error is None:
             return
         now = app.clock.now()
-        if app.last_ok is None:
-            age = "no data yet"
-        else:
-            age = f"data from {fmt.hms(app.last_ok)} UTC ({fmt.ago(app.last_ok, now)})"
+        at = _data_at(self)
+        age = "no data on this screen yet" if at is None else f"data from {fmt.hms(at)} UTC ({fmt.ago(at, now)})"
         t = Text()
         t.append("⚠ DATABASE UNREACHABLE", style="bold")
         t.append(f" · {age} · retrying\n")

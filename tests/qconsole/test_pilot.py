@@ -425,6 +425,33 @@ def test_outage_banner_then_recovery(dsn: str, conn: db.Conn) -> None:
     backend.close()
 
 
+def test_the_banner_gives_the_age_of_the_data_on_the_screen_shown(dsn: str) -> None:
+    # the age was the last read of any screen: back on the overview during an outage, the banner claimed
+    # the jobs screen's newer read for the overview's older counts
+    backend = DatabaseBackend(dsn)
+    app = console(dsn, backend=backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 24)) as pilot:
+            await settle(pilot)
+            overview_at = app.screen.data_at  # type: ignore[attr-defined]
+            assert overview_at is not None
+            await pilot.pause(1.1)
+            await pilot.press("j")
+            await settle(pilot)
+            assert app.screen.data_at > overview_at  # type: ignore[attr-defined]
+            backend.switch_dsn(make_conninfo(dsn, host="127.0.0.1", port=1))
+            app.screen.reload()  # type: ignore[attr-defined]
+            await until(pilot, lambda: app.db_error is not None, what="the outage")
+            await pilot.press("o")
+            await settle(pilot)
+            banner = str(app.screen.query_one(OutageBanner).render())
+            assert f"data from {overview_at:%H:%M:%S} UTC" in banner, banner
+
+    run_async(scenario())
+    backend.close()
+
+
 def test_a_jobs_read_that_fails_says_so_on_the_status_line_until_one_succeeds(dsn: str, conn: db.Conn) -> None:
     """A search the database refuses (a statement timeout): the toast goes after a few seconds and the table
     went on showing the unfiltered list while the search box held the search, as if it had matched."""
