@@ -37,6 +37,8 @@ from worker_core.models import (
 APPLICATION_NAME = "qconsole-console"
 STATEMENT_TIMEOUT_MS = 3000
 CONNECT_TIMEOUT_S = 3
+#: the least a call may take before the console gives up on the server (DatabaseBackend.call_deadline_s)
+CALL_DEADLINE_MIN_S = 10.0
 #: the states the dead-letters screen groups: what an operator requeues (dead, failed) or kills (retrying)
 DEAD_LETTER_STATES = ("dead_lettered", "failed", "retry_scheduled")
 
@@ -133,15 +135,21 @@ class DatabaseBackend:
         clock: Clock = SYSTEM_CLOCK,
         statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
         connect_timeout: int = CONNECT_TIMEOUT_S,
+        call_deadline_s: float | None = None,
     ) -> None:
         self.dsn = dsn
         self.read_only = read_only
         self.clock = clock
         self.statement_timeout_ms = statement_timeout_ms
         self.connect_timeout = connect_timeout
+        #: a call (a screen's read: a few statements, each under the statement timeout) still without an
+        #: answer after this long is ended here (see _unstick)
+        self.call_deadline_s = call_deadline_s or max(CALL_DEADLINE_MIN_S, 2 * statement_timeout_ms / 1000 + 2)
         self.actor = ops.Actor.current()
         self._conn: db.Conn | None = None
         self._lock = threading.Lock()
+        self._calls = threading.Lock()  # the fields below: which call runs, and which one was cut off
+        self._call_no = self._done_no = self._stuck_no = 0
 
     @property
     def description(self) -> str:
@@ -168,12 +176,38 @@ class DatabaseBackend:
     def _call(self, fn: Callable[[db.Conn], T]) -> T:
         with self._lock:
             conn = self._connection()
+            with self._calls:
+                self._call_no += 1
+                number = self._call_no
+            timer = threading.Timer(self.call_deadline_s, self._unstick, (conn, number))
+            timer.daemon = True
+            timer.start()
             try:
                 return fn(conn)
-            except (psycopg.OperationalError, psycopg.InterfaceError):
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
                 # a dead server, a terminated session or a timeout: start from a new connection next time
                 self._drop()
+                if self._stuck_no == number:
+                    raise psycopg.OperationalError(
+                        f"the server did not answer within {self.call_deadline_s:g}s: connection dropped"
+                    ) from e
                 raise
+            finally:
+                timer.cancel()
+                with self._calls:
+                    self._done_no = number
+
+    def _unstick(self, conn: db.Conn, number: int) -> None:
+        """A call past its deadline: a server that stopped answering while TCP still acknowledges (hung, or
+        a proxy in front of a dead one) is never noticed by keepalives, and the server's statement timeout
+        is the server's. Its socket is shut down, which fails the call at once (as close() does): the screen
+        says the database is unreachable, and the next call connects anew."""
+        with self._calls:
+            if self._call_no != number or self._done_no == number:
+                return  # it answered meanwhile
+            self._stuck_no = number
+            with contextlib.suppress(Exception), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
