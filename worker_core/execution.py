@@ -198,9 +198,18 @@ def _lost_under_handler(conn: db.Conn | db.AsyncConn) -> bool:
     return pgconn.status == psycopg.pq.ConnStatus.BAD
 
 
-def _lease_ms(jobs: list[Execution]) -> int:
-    """The longest lease of these jobs, in ms (Slot._bound_idle)."""
-    return max(int(ex.job["visibility_timeout_seconds"] * 1000) for ex in jobs)
+#: the largest idle_in_transaction_session_timeout PostgreSQL takes (ms)
+MAX_IDLE_BOUND_MS = 2**31 - 1
+
+
+def _idle_bound_ms(jobs: list[Execution]) -> int:
+    """How long the transaction these jobs run in may stay idle, in ms (Slot._bound_idle): a job alone, no
+    longer than its lease. A group's stays idle across several handlers (between one job's write and the
+    settlement, the jobs after it may use no ctx.tx at all): all their timeouts, and the longest lease on
+    top. Within what the server takes (a lease of 25 days is beyond it)."""
+    lease = max(ex.job["visibility_timeout_seconds"] for ex in jobs)
+    handlers = sum(ex.job["timeout_seconds"] for ex in jobs) if len(jobs) > 1 else 0
+    return min(int((lease + handlers) * 1000), MAX_IDLE_BOUND_MS)
 
 
 async def _settled(result: Any) -> Any:
@@ -476,6 +485,15 @@ def _on_notice(slot: Slot) -> Callable[[psycopg.errors.Diagnostic], None]:
     return notice
 
 
+#: the reason a job is given back when its sync handler's call returned a coroutine (Slot._call_sync)
+FOUND_ASYNC = "found_async"
+
+
+class KeyWaitCancelled(Exception):
+    """A group's first statement waited for a key, and a job of the group was killed, or the worker is
+    stopping (Slot._waiting_for_keys)."""
+
+
 class TxEnded(Exception):
     """A grouped handler ended the group's transaction with a statement of its own."""
 
@@ -682,12 +700,13 @@ class Slot:
             self._pinned = conn
         return conn
 
-    #: the longest lease of the jobs this slot runs now (ms): see _bound_idle
+    #: how long the transaction of the jobs this slot runs now may stay idle (ms): see _bound_idle
     idle_bound_ms = 0
 
     def _bound_idle(self, conn: JobConnection | AsyncJobConnection) -> None:
-        """A transaction of this slot's left idle for longer than its jobs' leases is ended by the server
-        (``idle_in_transaction_session_timeout``, raised as jobs with longer leases come, never lowered).
+        """A transaction of this slot's left idle for longer than its jobs' leases (a group's: see
+        _idle_bound_ms) is ended by the server (``idle_in_transaction_session_timeout``, raised as jobs with
+        longer leases come, never lowered).
         Else a worker that froze (SIGSTOP, a paused VM, a network partition the server cannot see) in the
         middle of a job holds that job's idempotency record for as long as it stays frozen, and the worker
         that takes the job over when its lease expires waits on that record as long, extending its own
@@ -792,7 +811,7 @@ class Slot:
         w, job, ctx = self.w, ex.job, ex.ctx
         with w._exec_lock:  # from here a pause no longer holds it (Worker._hold_paused)
             ex.begun = True
-        self.idle_bound_ms = _lease_ms([ex])
+        self.idle_bound_ms = _idle_bound_ms([ex])
         if ctx.cancelled:
             # killed, lease lost, its queue paused or shutting down while it waited in the prefetch buffer:
             # never started
@@ -947,7 +966,7 @@ class Slot:
         group = Group(waiting=list(jobs))
         current: Execution | None = None
         self._in_group, self._pinned = True, None
-        self.idle_bound_ms = _lease_ms(jobs)
+        self.idle_bound_ms = _idle_bound_ms(jobs)
         try:
             self._delete_stale(group.waiting)
             self._record_group_keys(group.waiting)
@@ -964,6 +983,9 @@ class Slot:
         except TxEnded:
             assert current is not None
             self._tx_ended_by(current, group)
+        except KeyWaitCancelled:
+            self._rollback()
+            self._give_back_group(group)
         except BaseException as e:
             # one of our own statements failed (the handlers' errors are their jobs' failures), or the
             # database went away: nothing of the group committed; the job in progress is given back too
@@ -1060,7 +1082,8 @@ class Slot:
             },
         )
         begin = b"BEGIN; " if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE else b""
-        res = self._exec(begin + sql, psycopg.pq.ExecStatus.TUPLES_OK)
+        with self._waiting_for_keys(list(first.values()), conn):
+            res = self._exec(begin + sql, psycopg.pq.ExecStatus.TUPLES_OK)
         recorded = {res.get_value(i, 0) for i in range(res.ntuples)}
         for ex in first.values():
             if str(ex.job["id"]).encode() in recorded:
@@ -1379,6 +1402,25 @@ class Slot:
         if ex.ctx.cancelled:
             raise HandlerFailure(self._cancel_exc(ex))
 
+    @contextlib.contextmanager
+    def _waiting_for_keys(self, jobs: list[Execution], conn: db.Conn) -> Iterator[None]:
+        """_waiting_for_key for a group's first statement, which records the keys of all its jobs: a kill of
+        one of them, or a shutdown, cancels the wait, and the group is given back (KeyWaitCancelled), its
+        cancelled jobs then ending as cancelled or released, the others waiting again in a new group."""
+        with self.w._exec_lock:
+            for ex in jobs:
+                ex.key_wait = conn
+        try:
+            yield
+        except psycopg.errors.QueryCanceled:
+            if any(ex.ctx.cancelled for ex in jobs):
+                raise KeyWaitCancelled() from None
+            raise
+        finally:
+            with self.w._exec_lock:
+                for ex in jobs:
+                    ex.key_wait = None
+
     def _lock_held_to_commit(self, ex: Execution) -> bool:
         """A job with a lock_key commits its effect only if it still holds the lock: its lease may have run out
         and another job taken it since the last heartbeat (a stalled process). Extended in the job's own
@@ -1433,11 +1475,11 @@ class Slot:
         try:
             result = task.fn(ctx, ex.job["payload"])
             if inspect.isawaitable(result):
+                # a sync wrapper that returns what an async def gave it: nothing of it ran (the coroutine
+                # never started). The job is given back, uncharged, and the type runs as async from now on
                 _drop(result)
-                raise PermanentError(
-                    "the handler returned an awaitable, which a sync handler's caller never awaits: declare"
-                    " it async def, or wrap it with functools.wraps so that the worker sees what it wraps"
-                )
+                task.found_async()
+                raise Cancelled(FOUND_ASYNC)
         except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError... all belong to the job
             error = e
         self._end_handler(ex)
@@ -1595,6 +1637,10 @@ class Slot:
                 return
             if exc.reason == "shutdown":
                 ex.ctx.logger.info("worker shutting down: job released")
+                self.release(ex, 0.0)
+                return
+            if exc.reason == FOUND_ASYNC:
+                ex.ctx.logger.info("the handler returned a coroutine: job released, it runs as async from now on")
                 self.release(ex, 0.0)
                 return
             if exc.reason == "paused":

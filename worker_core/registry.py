@@ -18,20 +18,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
-    """Whether calling the handler gives a coroutine to await: an ``async def``, one behind a decorator that
-    says what it wraps (``functools.wraps``), a partial of one, or an object whose ``__call__`` is one.
-    Taken for sync, such a handler's coroutine was dropped unawaited and the job settled succeeded, its
-    body never run. Worked out once, when the task is made (Task.is_async)."""
+    """Whether calling the handler gives a coroutine to await: an ``async def`` (a partial of one too), or an
+    object whose ``__call__`` is one. Decided from what is registered, never from what it wraps: a sync
+    decorator around an async def may run it itself (``asyncio.run``, asgiref's ``async_to_sync``). One
+    that returns the coroutine instead is found out at its first call (execution.Slot._call_sync, which
+    marks the task async). Worked out once, when the task is made (Task.is_async)."""
     if inspect.iscoroutinefunction(fn):
         return True
-    try:
-        if inspect.iscoroutinefunction(inspect.unwrap(fn)):
-            return True
-    except ValueError:  # a __wrapped__ chain that loops
-        return False
     if inspect.isroutine(fn) or not callable(fn):
         return False
-    return inspect.iscoroutinefunction(inspect.unwrap(type(fn).__call__))
+    return inspect.iscoroutinefunction(type(fn).__call__)
 
 
 @dataclass(frozen=True)
@@ -59,6 +55,11 @@ class Task:
     def is_async(self) -> bool:
         """Asked for every job the worker hands out: worked out once (_is_async)."""
         return self._async
+
+    def found_async(self) -> None:
+        """Its call returned a coroutine (a sync wrapper that returns what an async def gave it): it runs as
+        async from now on."""
+        object.__setattr__(self, "_async", True)
 
     def overrides(self) -> dict[str, Any]:
         """The policy fields this type sets itself."""

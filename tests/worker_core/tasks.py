@@ -525,3 +525,22 @@ def crash_later(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Kills its process after ``seconds``, whatever happens meanwhile (a stop, its cancellation)."""
     time.sleep(payload["seconds"])
     os._exit(13)
+
+
+def _runs_itself(fn: Any) -> Any:
+    """A sync decorator that runs an async def to its end itself (as asgiref's async_to_sync does)."""
+
+    @functools.wraps(fn)
+    def wrapper(ctx: JobContext, payload: dict[str, Any]) -> Any:
+        return asyncio.run(fn(ctx, payload))
+
+    return wrapper
+
+
+@worker_core.task("t.sync_runs_async", retry=FAST, reason="tests need fast, bounded retries")
+@_runs_itself
+async def sync_runs_async(ctx: JobContext, payload: dict[str, Any]) -> None:
+    await asyncio.sleep(0)
+    ctx.tx.execute(  # the sync connection: this handler is sync
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, payload["item"], ctx.attempt)
+    )

@@ -307,3 +307,51 @@ def test_a_rollback_sent_through_stream_or_copy_leaves_the_jobs_before_it_to_run
     run_grouped(dsn, ("t.ok", "t.raw_commit"))
     assert [state(dsn, j) for j in before] == ["succeeded"] * 3
     assert sorted(r["item"] for r in ledger(dsn) if r["item"].startswith("b")) == ["b0", "b1", "b2"]
+
+
+def test_a_group_idle_longer_than_a_lease_is_not_ended_under_its_jobs(dsn: str, conn: db.Conn) -> None:
+    # the idle limit of a job's transaction was the longest lease of the group: a group stays idle across
+    # several handlers (after the first job's write, the next ones used no ctx.tx), so the server ended a
+    # transaction that was working normally, charging the job then running and running the others twice
+    first = enqueue(conn, "t.ledger", {"item": "w", "sleep": 1.8}, idempotency_key="w", priority=0,
+                    timeout_seconds=2, visibility_timeout_seconds=7.5).id  # fmt: skip
+    quiet = [enqueue(conn, "t.slow", {"seconds": 1.8}, priority=1, timeout_seconds=2,
+                     visibility_timeout_seconds=7.5).id for _ in range(4)]  # fmt: skip
+    conn.commit()
+    run_grouped(dsn, ("t.ledger", "t.slow"))
+    assert [(state(dsn, j), job(dsn, j)["attempts"]) for j in [first, *quiet]] == [("succeeded", 1)] * 5
+    assert [r["item"] for r in ledger(dsn)] == ["w"]
+
+
+def test_a_lease_longer_than_the_servers_idle_limit_takes_runs(dsn: str, conn: db.Conn) -> None:
+    # 25 days of timeout: the idle limit set from its lease was out of the server's range, and the job
+    # stayed running, never run, for its whole lease
+    j = enqueue(conn, "t.ledger", {"item": "long"}, idempotency_key="long", timeout_seconds=25 * 86400,
+                visibility_timeout_seconds=25 * 86400 + 60).id  # fmt: skip
+    conn.commit()
+    run_burst(dsn, group_max=1, timeout=30)
+    assert state(dsn, j) == "succeeded" and [r["item"] for r in ledger(dsn)] == ["long"]
+
+
+def test_a_kill_reaches_a_group_waiting_for_one_of_its_keys(dsn: str, conn: db.Conn) -> None:
+    # the group's first statement records every key of the group: waiting on one another transaction held,
+    # a kill (or a shutdown) of its jobs never reached it
+    from tests.worker_core.helpers import running_worker, wait_for
+    from worker_core import ops
+
+    with db.connect(dsn) as holder:
+        holder.execute(
+            "INSERT INTO processed_keys (idempotency_key, job_id, job_type, processed_at, expires_at)"
+            " VALUES ('K1', gen_random_uuid(), 't.other', now(), now() + interval '1 day')"
+        )  # not committed
+        a = enqueue(conn, "t.ledger", {"item": "a"}, idempotency_key="K1", priority=0).id
+        b = enqueue(conn, "t.ledger", {"item": "b"}, idempotency_key="K2", priority=0).id
+        conn.commit()
+        with running_worker(dsn, heartbeat_interval=0.2, **GROUPED) as w:
+            w.observe_handler("t.ledger", 0.01)
+            wait_for(lambda: state(dsn, a) == state(dsn, b) == "running", 10, what="the group to wait")
+            ops.kill(conn, [a], actor=ops.Actor("oncall"))
+            wait_for(lambda: state(dsn, a) == "cancelled", 10, what="the kill to end the waiting job")
+            holder.rollback()
+            wait_for(lambda: state(dsn, b) == "succeeded", 10, what="the other job to run")
+    assert [r["item"] for r in ledger(dsn)] == ["b"]
