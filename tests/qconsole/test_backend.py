@@ -233,7 +233,12 @@ class FreezingProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self.target)
+            host, port = self.target
+            if host.startswith("/"):  # a socket directory (the embedded server)
+                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                server.connect(f"{host}/.s.PGSQL.{port}")
+            else:
+                server = socket.create_connection(self.target)
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
