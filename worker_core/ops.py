@@ -18,7 +18,7 @@ from worker_core.db import Conn
 from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
 from worker_core.metrics import MetricsBuffer
-from worker_core.models import ActionResult
+from worker_core.models import REQUEUEABLE_STATES, ActionResult, JobState
 from worker_core.sql import queries
 
 DEFAULT_REQUEUE_BUDGET = 1
@@ -175,13 +175,15 @@ def requeue(
             conn.execute(queries["notify_queue"], {"queue": q})
         done = set(changed)
         skipped = [i for i in ids if i not in done]
-        why = _why_not_requeued(conn, skipped)
+        why = _why_skipped(conn, "requeue", skipped)
     return ActionResult("requeue", len(ids), changed, skipped, audit_id, why)
 
 
-def _why_not_requeued(conn: Conn, skipped: list[uuid.UUID]) -> dict[uuid.UUID, str]:
-    """A skipped requeue's reason, said to the operator: a job not dead (someone acted first), or one whose
-    dedup key a live job holds (a later run of the same periodic job, say), is not "changed meanwhile"."""
+def _why_skipped(conn: Conn, action: str, skipped: list[uuid.UUID]) -> dict[uuid.UUID, str]:
+    """A skipped job's reason, said to the operator, not "changed meanwhile" (they would think someone else
+    acted): no such job; for a requeue, a dead job whose dedup key a live job holds (a later run of the same
+    periodic job, say); for a kill, a job already being killed (its worker stops it within a heartbeat);
+    else the state it is in."""
     if not skipped:
         return {}
     rows = {r["id"]: r for r in conn.execute(queries["jobs_state_and_dedup"], {"ids": skipped})}
@@ -190,8 +192,10 @@ def _why_not_requeued(conn: Conn, skipped: list[uuid.UUID]) -> dict[uuid.UUID, s
         row = rows.get(jid)
         if row is None:
             out[jid] = "no such job"
-        elif row["state"] in ("dead_lettered", "failed", "cancelled") and row["dedup_key"] is not None:
+        elif action == "requeue" and JobState(row["state"]) in REQUEUEABLE_STATES and row["dedup_key"] is not None:
             out[jid] = "a live job (or a newer requeued one) holds its dedup key"
+        elif action == "kill" and row["state"] == "running" and row["cancel_requested"]:
+            out[jid] = "it is being killed already"
         else:
             out[jid] = f"it is {row['state']}"
     return out
@@ -230,26 +234,8 @@ def kill(
         )  # fmt: skip
         done = set(changed)
         skipped = [i for i in ids if i not in done]
-        why = _why_not_killed(conn, skipped)
+        why = _why_skipped(conn, "kill", skipped)
     return ActionResult("kill", len(ids), changed, skipped, audit_id, why)
-
-
-def _why_not_killed(conn: Conn, skipped: list[uuid.UUID]) -> dict[uuid.UUID, str]:
-    """A skipped kill's reason: no such job, a job already finished, or one already being killed (its worker
-    stops it within a heartbeat)."""
-    if not skipped:
-        return {}
-    rows = {r["id"]: r for r in conn.execute(queries["jobs_state_and_dedup"], {"ids": skipped})}
-    out = {}
-    for jid in skipped:
-        row = rows.get(jid)
-        if row is None:
-            out[jid] = "no such job"
-        elif row["state"] == "running" and row["cancel_requested"]:
-            out[jid] = "it is being killed already"
-        else:
-            out[jid] = f"it is {row['state']}"
-    return out
 
 
 def group_job_ids(conn: Conn, job_type: str, fingerprint: str, state: str = "dead_lettered") -> list[uuid.UUID]:
