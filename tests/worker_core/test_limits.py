@@ -71,6 +71,21 @@ def test_a_limit_of_zero_holds_every_job_of_the_type(dsn: str, conn: db.Conn) ->
     assert scalar(dsn, "SELECT state FROM job_queue WHERE id = %s", (held,)) == "queued"
 
 
+@pytest.mark.parametrize("scope", ["*", "bulk"])
+def test_a_burst_worker_ends_when_what_is_left_is_held_by_a_limit_of_zero(
+    dsn: str, conn: db.Conn, scope: str
+) -> None:
+    # it counted the held jobs as work still to do, and never exited (a cron or CI run hung)
+    held = enqueue(conn, "t.ok", {}, queue="bulk").id
+    other = enqueue(conn, "t.ok", {}).id
+    ops.set_limit(conn, "t.ok", 0, queue=scope, reason="incident")
+    conn.commit()
+    run_burst(dsn, timeout=30)
+    states = "SELECT state FROM job_queue WHERE id = %s"
+    assert scalar(dsn, states, (held,)) == "queued"
+    assert scalar(dsn, states, (other,)) == ("queued" if scope == "*" else "succeeded")
+
+
 def test_a_types_limit_caps_its_queues_own_limits_too(dsn: str, conn: db.Conn) -> None:
     """`limit T 1` and `limit T 3 --queue slow`: both apply, so never more than one runs anywhere."""
     enqueue_many(conn, [("t.limited", {"seconds": 0.05}, {"queue": q}) for q in ("slow", "default") * 3])

@@ -481,18 +481,21 @@ ON CONFLICT (minute, queue, job_type) DO UPDATE SET
 
 -- name: burst_remaining
 -- What keeps a --burst worker alive: running jobs, ready jobs, and retries it must still drain. Counted
--- as stats_live counts (migration 0011).
+-- as stats_live counts (migration 0011). Not jobs a pause or a limit of 0 holds: no worker may run them
+-- (with a limit of 0 the burst waited for ever).
 SELECT (
     SELECT count(*) FROM job_queue
     WHERE state = 'running'
       AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
       AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
 ) + (
-    SELECT count(*) FROM job_queue
-    WHERE (state IN ('queued', 'retry_scheduled')) IS TRUE AND scheduled_at > '-infinity'
-      AND (state = 'retry_scheduled' OR scheduled_at <= %(now)s)
-      AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
-      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
+    SELECT count(*) FROM job_queue j
+    WHERE (j.state IN ('queued', 'retry_scheduled')) IS TRUE AND j.scheduled_at > '-infinity'
+      AND (j.state = 'retry_scheduled' OR j.scheduled_at <= %(now)s)
+      AND (%(all_queues)s OR j.queue = ANY(%(queues)s)) AND j.job_type = ANY(%(job_types)s)
+      AND j.queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
+      AND NOT EXISTS (SELECT 1 FROM concurrency_limits l
+                      WHERE l.job_type = j.job_type AND l.max_running = 0 AND l.queue IN ('*', j.queue))
 ) AS n;
 
 -- name: next_due_at
