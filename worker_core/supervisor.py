@@ -24,7 +24,7 @@ from worker_core.clock import SYSTEM_CLOCK
 from worker_core.logs import bound_logger
 from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, relay_signals
 from worker_core.sql import queries
-from worker_core.worker import WorkerConfig, run_worker
+from worker_core.worker import EXIT_CONFIG, WorkerConfig, run_worker
 
 
 def _child(config: WorkerConfig, log_format: str) -> None:
@@ -61,6 +61,8 @@ class Supervisor:
         self.ctx = mp.get_context("spawn")
         self.children: dict[int, tuple[BaseProcess, str]] = {}
         self.restarts = 0
+        #: children that refused their configuration, and were not restarted
+        self.refused = 0
         self._stop = threading.Event()
         self._generation = 0
         self._recent_deaths: list[float] = []
@@ -130,6 +132,13 @@ class Supervisor:
                 if self.config.burst and proc.exitcode == 0:
                     del self.children[slot]
                     continue
+                if proc.exitcode == EXIT_CONFIG:
+                    # its configuration was refused (a metrics port taken): restarted, it failed again and
+                    # again, for ever; the others go on
+                    self.log.error("worker %s refused its configuration: not restarted", worker_id)
+                    del self.children[slot]
+                    self.refused += 1
+                    continue
                 self.log.warning("worker %s exited with %s: restarting", worker_id, proc.exitcode)
                 self._expire(worker_id)
                 now = time.monotonic()
@@ -140,8 +149,8 @@ class Supervisor:
                     break  # stopped during the backoff: not restarted, only to be stopped at once
                 self.restarts += 1
                 self._start(slot)
-            if self.config.burst and not self.children:
-                return 0
+            if not self.children:
+                return EXIT_CONFIG if self.refused else 0
             self._stop.wait(0.2)
         return self._shutdown()
 

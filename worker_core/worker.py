@@ -59,6 +59,9 @@ HOUSEKEEPING_TIMEOUT_MS = 300_000
 FIRST_HOUSEKEEPING_SECONDS = 2.0
 #: after a round that stopped with more past retention, the next one starts this soon
 HOUSEKEEPING_CATCH_UP_SECONDS = 1.0
+#: a worker's exit code when it refuses its configuration (a metrics port taken): starting it again would
+#: change nothing, so neither the supervisor nor the console restarts it (the CLI's code for bad input)
+EXIT_CONFIG = 2
 #: how often the watchdog looks at running handlers (timeouts are enforced to within this)
 WATCHDOG_TICK = 0.05
 #: full groups of fast jobs a worker may hold beyond its slots' and prefetch's jobs (see Worker.max_in_flight):
@@ -225,7 +228,11 @@ class Worker:
         if self.config.metrics_port:
             from worker_core.prometheus import WorkerExporter
 
-            WorkerExporter(self.metrics).serve(self.config.metrics_port)
+            try:
+                WorkerExporter(self.metrics).serve(self.config.metrics_port)
+            except OSError as e:  # taken, or not ours to bind: a configuration to fix, not a crash to retry
+                self.log.error("cannot serve metrics on port %s: %s", self.config.metrics_port, e)
+                return EXIT_CONFIG
         self.log.info(
             "worker starting: queues=%s types=%s concurrency=%s",
             ",".join(self.config.queues) if self.config.queues else "*",

@@ -1111,6 +1111,25 @@ def test_a_worker_process_that_dies_during_the_stop_has_its_leases_ended(conn: d
     assert scalar(dsn, "SELECT stopped_at IS NOT NULL FROM workers WHERE id = %s", (worker_id,))
 
 
+def test_a_worker_whose_metrics_port_is_taken_exits_as_misconfigured_and_is_not_restarted(dsn: str) -> None:
+    # it died with a traceback; under --processes the supervisor restarted it for ever (13 times in 20 s),
+    # and a --burst run never finished
+    import socket
+
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert Worker(config(dsn, task_modules=TASKS, metrics_port=port)).run() == 2
+        sup = Supervisor(config(dsn, task_modules=TASKS, metrics_port=port), processes=1)
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(sup.run()), daemon=True)
+        t.start()
+        t.join(60)
+        if t.is_alive():
+            sup.stop()
+            t.join(30)
+        assert (result, sup.restarts, sup.refused) == ([2], 0, 1)
+
+
 def test_a_supervisor_that_cannot_start_a_worker_stops_the_ones_it_started(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
