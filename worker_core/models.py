@@ -203,6 +203,7 @@ class TypeStats:
     dlq_per_min: float = 0.0
     lease_expirations_per_min: float = 0.0
     retries_per_min: float = 0.0
+    dedup_hits_per_min: float = 0.0
     #: over the window: jobs in (rolled up with a lag of about two minutes), retries, timeouts,
     #: anomalies (unknown errors)
     enqueued: int = 0

@@ -35,7 +35,6 @@ COUNTER_METRICS = {
     "timeouts": ("qconsole_jobs_timeouts_total", "Attempts that ran past their timeout."),
     "anomalies": ("qconsole_jobs_unknown_errors_total", "Attempts that raised an unclassified error."),
     "lock_contention": ("qconsole_lock_contention_total", "Claims rescheduled because their lock_key was held."),
-    "dedup_hits": ("qconsole_dedup_hits_total", "Messages collapsed into a live job by their dedup key."),
     "idempotency_hits": ("qconsole_idempotency_hits_total", "Jobs settled without running: key already done."),
     "lease_expirations": ("qconsole_lease_expirations_total", "Jobs reclaimed after their lease ran out."),
     "cancelled": ("qconsole_jobs_cancelled_total", "Jobs cancelled by an operator."),
@@ -131,6 +130,11 @@ class FleetCollector(Collector):
             "qconsole_jobs_succeeded_per_minute", "Throughput: succeeded per minute.", labels=list(LABELS)
         )
         retries = GaugeMetricFamily("qconsole_retries_per_minute", "Retries scheduled per minute.", labels=list(LABELS))
+        dedup = GaugeMetricFamily(
+            "qconsole_dedup_hits_per_minute",
+            "Messages collapsed into a live job by their dedup key, per minute (producers count them).",
+            labels=list(LABELS),
+        )
         for t in ov.types:
             key = [t.queue, t.job_type]
             for state in ("queued", "running", "retry_scheduled", "failed", "dead_lettered"):
@@ -140,12 +144,13 @@ class FleetCollector(Collector):
             lease.add_metric(key, t.lease_expirations_per_min)
             tput.add_metric(key, t.throughput_per_min)
             retries.add_metric(key, t.retries_per_min)
+            dedup.add_metric(key, t.dedup_hits_per_min)
         workers = GaugeMetricFamily("qconsole_workers_alive", "Workers with a recent heartbeat.")
         workers.add_metric([], ov.workers_alive)
         paused = GaugeMetricFamily("qconsole_queue_paused", "1 when an operator paused the queue.", labels=["queue"])
         for q in ov.queues:
             paused.add_metric([q.name], 1 if q.paused else 0)
-        yield from (jobs, lag, dlq, lease, tput, retries, workers, paused)
+        yield from (jobs, lag, dlq, lease, tput, retries, dedup, workers, paused)
 
 
 def serve_fleet(dsn: str, port: int, addr: str = "0.0.0.0") -> Any:

@@ -91,6 +91,7 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
                 dlq_per_min=float(w.get("dead_lettered") or 0) * per_min,
                 lease_expirations_per_min=float(w.get("lease_expirations") or 0) * per_min,
                 retries_per_min=float(w.get("retried") or 0) * per_min,
+                dedup_hits_per_min=float(w.get("dedup_hits") or 0) * per_min,
                 enqueued=int(w.get("enqueued") or 0),
                 retries=int(w.get("retried") or 0),
                 timeouts=int(w.get("timeouts") or 0),

@@ -86,6 +86,9 @@ def test_worker_and_fleet_endpoints_match_the_database(dsn: str, conn: db.Conn) 
     covered = stats.WINDOW_MINUTES - 1 + (now.second + now.microsecond / 1e6) / 60  # full minutes + this one
     assert f[("qconsole_dead_letters_per_minute", labels("t.unknown"))] == pytest.approx(1 / covered, rel=0.01)
     assert f[("qconsole_jobs_succeeded_per_minute", labels("t.ok"))] == pytest.approx(4 / covered, rel=0.01)
+    # producers count dedup hits: the worker's counter of them never moved (it is gone), the fleet's has them
+    assert f[("qconsole_dedup_hits_per_minute", labels("t.ok"))] == pytest.approx(1 / covered, rel=0.01)
+    assert not any(name == "qconsole_dedup_hits_total" for name, _ in w)
     assert f[("qconsole_database_up", ())] == 1
     ov = {t.job_type: t for t in stats.overview(conn).types if t.queue == "default"}
     assert ov["t.ok"].dedup_hits == 1 and ov["t.ledger"].idempotency_hits == 1
