@@ -22,7 +22,7 @@ from worker_core import db, ops, stats
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
 from worker_core.migrate import changed_migrations, pending_migrations
 from worker_core.migrate import migrate as run_migrations
-from worker_core.models import JobState
+from worker_core.models import ActionResult, JobState
 
 app = typer.Typer(
     name="qconsole",
@@ -471,6 +471,7 @@ def requeue(
     with connect(dsn) as conn:
         result = guarded(lambda: ops.requeue(conn, job_ids, reason=reason, budget=budget, payload=new_payload))
     output.action(result)
+    _exit_for_skipped(result)
 
 
 @app.command()
@@ -483,6 +484,14 @@ def kill(
     with connect(dsn) as conn:
         result = guarded(lambda: ops.kill(conn, job_ids, reason=reason))
     output.action(result)
+    _exit_for_skipped(result)
+
+
+def _exit_for_skipped(result: ActionResult) -> None:
+    """Exit 1 (not found or refused) when a job named does not exist, or when nothing changed: a script
+    that requeues or kills must not read success from a command that did nothing."""
+    if "no such job" in result.why_skipped.values() or (result.skipped and not result.changed):
+        raise typer.Exit(1)
 
 
 UnknownQueueOpt = Annotated[

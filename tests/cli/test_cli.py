@@ -113,7 +113,7 @@ def test_operator_actions_are_audited_with_user_and_ssh_client(
     assert "1 of 1" in cli("requeue", jid, "--payload", '{"fixed": true}').stdout
     job = stats.get_job(conn, jid)
     assert job.state.value == "queued" and job.payload == {"fixed": True}
-    assert "skipped" in cli("requeue", jid).stdout  # queued: nothing to requeue
+    assert "skipped" in cli("requeue", jid, code=1).stdout  # queued: nothing to requeue, refused
     cli("pause", "default", "--reason", "incident 42")
     assert [q.paused for q in stats.queues(conn) if q.name == "default"] == [True]
     cli("resume", "default")
@@ -324,3 +324,12 @@ def test_pause_and_resume_refuse_a_misspelt_queue(cli: Any, conn: db.Conn) -> No
     cli("pause", "reports", "--unknown-queue")  # a queue still to come, on purpose
     cli("resume", "billing")
     assert [q.name for q in stats.queues(conn) if q.paused] == ["reports"]
+
+
+def test_requeue_and_kill_of_a_job_that_does_not_exist_exit_1(cli: Any, conn: db.Conn) -> None:
+    # they printed "skipped ...: no such job" and exited 0: a script read success
+    ghost = str(uuid.uuid4())
+    assert "no such job" in cli("requeue", ghost, code=1).output
+    assert "no such job" in cli("kill", ghost, code=1).output
+    jid = cli("enqueue", "t.ok").stdout.strip()
+    assert "1 of 2" in cli("kill", jid, ghost, code=1).output  # the real one is killed all the same
