@@ -259,8 +259,27 @@ def enqueue(
 
     guarded(lambda: prepare(job_type, body, envelope))
     with connect(dsn) as conn:
+        _warn_if_unregistered(conn, job_type, queue)
         result = guarded(lambda: enqueue_job(conn, job_type, body, **envelope))
     typer.echo(str(result.id) if result.created else f"duplicate of {result.id}")
+
+
+def _warn_if_unregistered(conn: db.Conn, job_type: str, queue: str | None) -> None:
+    """A type no worker has registered yet, and no --tasks: the deployment's defaults apply, not its @task's
+    (its queue, its attempts, whether it requires an idempotency key). Said, not refused: a type may be
+    enqueued before its workers are deployed, on purpose."""
+    from worker_core.producer import registered_defaults
+    from worker_core.registry import registry
+
+    if job_type in registry or job_type in registered_defaults(conn, [job_type]):
+        return
+    where = f"queue {queue!r}" if queue else "queue 'default' (no --queue)"
+    typer.echo(
+        f"warning: no worker has registered job type {job_type!r} yet and --tasks was not given: the job goes to"
+        f" {where} under the deployment's defaults, not its @task's (pass --tasks MODULE, or start a worker of"
+        " it first)",
+        err=True,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -437,12 +456,26 @@ def workers(as_json: JsonOpt = False, dsn: DsnOpt = None) -> None:
 
 @app.command("dead-letters")
 def dead_letters(
-    job_type: Annotated[str | None, typer.Option("--type")] = None, as_json: JsonOpt = False, dsn: DsnOpt = None
+    job_type: Annotated[str | None, typer.Option("--type")] = None,
+    state: Annotated[
+        list[str] | None,
+        typer.Option("--state", help="dead_lettered, failed or retry_scheduled (repeat); default: the first two."),
+    ] = None,
+    as_json: JsonOpt = False,
+    dsn: DsnOpt = None,
 ) -> None:
-    """Dead letters grouped by job type and error fingerprint."""
+    """Dead letters and failed jobs (what requeue takes), grouped by job type, error fingerprint and state."""
+    states = tuple(state or GROUPED_STATES[:2])
+    unknown = [s for s in states if s not in GROUPED_STATES]
+    if unknown:
+        fail(f"unknown state {unknown[0]!r}: one of {', '.join(GROUPED_STATES)}", 2)
     with connect(dsn, read_only=True) as conn:
-        groups = guarded(lambda: stats.dead_letter_groups(conn, job_type=job_type))
+        groups = guarded(lambda: stats.dead_letter_groups(conn, job_type=job_type, states=states))
     output.dead_letter_groups(groups, as_json)
+
+
+#: the states dead-letters groups (the console's d screen shows all three)
+GROUPED_STATES = ("dead_lettered", "failed", "retry_scheduled")
 
 
 @app.command()

@@ -143,9 +143,9 @@ def dead_letter_groups(groups: list[DeadLetterGroup], as_json: bool) -> None:
     if as_json:
         _json(groups)
         return
-    t = Table("type", "count", "first seen", "last seen", "error", box=None, pad_edge=False)
+    t = Table("type", "state", "count", "first seen", "last seen", "error", box=None, pad_edge=False)
     for g in groups:
-        _row(t, g.job_type, str(g.count), ts(g.first_seen), ts(g.last_seen), g.fingerprint[:70])
+        _row(t, g.job_type, g.state, str(g.count), ts(g.first_seen), ts(g.last_seen), g.fingerprint[:70])
     console.print(t)
     total = getattr(groups, "total_groups", len(groups))
     if total > len(groups):
@@ -159,9 +159,17 @@ def audit(rows: list[AuditEntry], as_json: bool) -> None:
         return
     t = Table("at", "user", "ssh client", "action", "target", "reason", box=None, pad_edge=False)
     for a in rows:
-        target = a.queue or (f"{len(a.job_ids)} job(s)" if a.job_ids else "-")
-        _row(t, ts(a.at), a.os_user, a.ssh_client or "-", a.action, target, a.reason or "-")
+        _row(t, ts(a.at), a.os_user, a.ssh_client or "-", a.action, _audit_target(a), a.reason or "-")
     console.print(t)
+
+
+def _audit_target(a: AuditEntry) -> str:
+    """What an action was on: a limit's type, scope and number (they are in its detail), a queue, the jobs."""
+    detail = a.detail or {}
+    if a.action in ("limit", "unlimit") and detail.get("job_type"):
+        scope = f"{detail['job_type']}@{detail.get('queue', '*')}"
+        return f"{scope}={detail['max_running']}" if "max_running" in detail else scope
+    return a.queue or (f"{len(a.job_ids)} job(s)" if a.job_ids else "-")
 
 
 def action(result: ActionResult, queue: str | None = None) -> None:

@@ -333,3 +333,38 @@ def test_requeue_and_kill_of_a_job_that_does_not_exist_exit_1(cli: Any, conn: db
     assert "no such job" in cli("kill", ghost, code=1).output
     jid = cli("enqueue", "t.ok").stdout.strip()
     assert "1 of 2" in cli("kill", jid, ghost, code=1).output  # the real one is killed all the same
+
+
+def test_dead_letters_lists_the_failed_jobs_too(cli: Any, conn: db.Conn) -> None:
+    # the console's d screen shows failed jobs (a permanent error) with the dead letters; the CLI showed only
+    # dead letters, and told an operator there was nothing to requeue
+    for state, n in (("failed", 3), ("dead_lettered", 2), ("retry_scheduled", 1)):
+        for _ in range(n):
+            jid = cli("enqueue", "t.ok").stdout.strip()
+            conn.execute(
+                "UPDATE job_queue SET state = %s, finished_at = now(), error_fingerprint = 'Boom' WHERE id = %s",
+                (state, jid),
+            )
+    conn.commit()
+    groups = json.loads(cli("dead-letters", "--json").stdout)
+    assert sorted((g["state"], g["count"]) for g in groups) == [("dead_lettered", 2), ("failed", 3)]
+    groups = json.loads(cli("dead-letters", "--state", "retry_scheduled", "--json").stdout)
+    assert [(g["state"], g["count"]) for g in groups] == [("retry_scheduled", 1)]
+    assert "unknown state" in cli("dead-letters", "--state", "dead", code=2).output
+
+
+def test_the_audit_table_says_what_a_limit_was_on(cli: Any) -> None:
+    # it printed "limit - INC-42": the type, the scope and the number were in --json only
+    cli("enqueue", "t.ok")
+    cli("limit", "t.ok", "0", "--reason", "INC-42")
+    cli("limit", "t.ok", "--clear", "--reason", "INC-42 over")
+    out = cli("audit").stdout
+    assert "t.ok@*=0" in out and "t.ok@*" in out.replace("t.ok@*=0", "")
+
+
+def test_enqueue_of_a_type_no_worker_registered_says_whose_defaults_apply(cli: Any) -> None:
+    # the README's own sequence (migrate, enqueue, then start the worker) put the job in queue default under
+    # the deployment's defaults, without a word, while the type's @task says billing
+    out = cli("enqueue", "billing.unknown-yet")
+    assert "no worker has registered job type 'billing.unknown-yet'" in out.stderr
+    assert "no worker has registered" not in cli("enqueue", "t.ok").stderr  # this process imported its @task
