@@ -169,7 +169,26 @@ def console(
         return
     from qconsole.app import run_console
 
+    _schema_ready_for_console(dsn, read_only)
     raise typer.Exit(run_console(dsn, read_only, refresh, theme))
+
+
+def _schema_ready_for_console(dsn: str | None, read_only: bool) -> None:
+    """Migrations pending are said before the console opens (exit 3), as every command says them: the console
+    showed ``UndefinedTable: relation "job_queue" does not exist`` as a read failure, refresh after refresh.
+    A server that cannot be reached now is left to the console, which says so and retries."""
+    configured = db.configured_dsn(_dsn(dsn))
+    if configured is None:
+        with connect(dsn, read_only=read_only):  # the embedded server: migrated here, if need be
+            return
+    try:
+        with db.connect(db.resolve_dsn(configured), application_name="qconsole-cli", connect_timeout=3) as conn:
+            pending = pending_migrations(conn)
+    except psycopg.OperationalError:
+        return
+    if pending:
+        names = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
+        fail(f"the database needs migrations ({names}): run `qconsole migrate`", 3)
 
 
 @app.command()

@@ -368,3 +368,22 @@ def test_enqueue_of_a_type_no_worker_registered_says_whose_defaults_apply(cli: A
     out = cli("enqueue", "billing.unknown-yet")
     assert "no worker has registered job type 'billing.unknown-yet'" in out.stderr
     assert "no worker has registered" not in cli("enqueue", "t.ok").stderr  # this process imported its @task
+
+
+def test_the_console_on_a_database_not_migrated_says_so_before_it_opens(
+    cli: Any, admin_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # it opened, and showed UndefinedTable as a read failure, refresh after refresh
+    import psycopg
+
+    from tests.conftest import dsn_for
+
+    name = f"qc_t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        monkeypatch.setenv("QCONSOLE_DSN", dsn_for(admin_dsn, name))
+        assert "needs migrations (0001_init" in cli(code=3).output
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
