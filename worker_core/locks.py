@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Protocol
 
+from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
 from worker_core.sql import queries
@@ -95,7 +96,8 @@ def lock_backend(url: str | None, clock: Clock = SYSTEM_CLOCK) -> LockBackend:
         return PostgresLocks(clock)
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisLocks(url)
-    raise ValueError(f"unknown lock backend {url!r}: use 'postgres' or a redis:// URL")
+    # masked: a mistyped redis:// URL still carries its password
+    raise ValueError(f"unknown lock backend {db._mask(url)!r}: use 'postgres' or a redis:// URL")
 
 
 def new_token() -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
+import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -44,6 +46,9 @@ def _fields(record: logging.LogRecord) -> dict[str, Any]:
 
 
 class JsonFormatter(logging.Formatter):
+    #: its times are UTC, as the Z it writes says (they were the host's local time, labelled Z)
+    converter = time.gmtime  # type: ignore[assignment]  # typeshed reads its optional argument as required
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
@@ -57,14 +62,31 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+#: what a text log line never carries raw: line breaks, and control characters (ESC's terminal sequences)
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _escaped(text: str) -> str:
+    """One line of printable text: a message or a field a producer or a handler wrote (a trace_id, an
+    error) forged log lines with its newlines and drove the operator's terminal with its escapes."""
+    return _UNPRINTABLE.sub(lambda m: {"\n": "\\n", "\t": "\\t"}.get(m[0], f"\\x{ord(m[0]):02x}"), text)
+
+
+def _value(v: Any) -> str:
+    text = _escaped(str(v))
+    if text and not any(c in text for c in ' ="'):
+        return text
+    return '"' + text.replace('"', '\\"') + '"'  # one value, however many words
+
+
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        base = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {record.getMessage()}"
+        base = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {_escaped(record.getMessage())}"
         fields = _fields(record)
         if fields:
-            base += "  " + " ".join(f"{k}={v}" for k, v in fields.items())
-        if record.exc_info:
-            base += "\n" + self.formatException(record.exc_info)
+            base += "  " + " ".join(f"{k}={_value(v)}" for k, v in fields.items())
+        if record.exc_info:  # a traceback's lines stay lines; its characters are escaped as the rest
+            base += "\n" + "\n".join(_escaped(line) for line in self.formatException(record.exc_info).splitlines())
         return base
 
 

@@ -181,3 +181,11 @@ def test_versioned_update_takes_any_column_name_and_refuses_what_no_retry_fixes(
 
     assert asyncio.run(in_async_handler()) == 3
     assert conn.execute('SELECT "c)d" AS v, version FROM odd').fetchone() == {"v": 3, "version": 3}
+
+
+def test_a_mistyped_lock_backend_url_does_not_show_its_password() -> None:
+    from worker_core.locks import lock_backend
+
+    with pytest.raises(ValueError) as caught:
+        lock_backend("reddis://:S3cretPW@redis.internal:6379/0")
+    assert "S3cretPW" not in str(caught.value) and "***" in str(caught.value)

@@ -142,6 +142,45 @@ def test_every_job_log_line_carries_the_job_fields(dsn: str, conn: db.Conn, json
     assert flaky and all(line["idempotency_key"] == "idem-7" and line["trace_id"] == "trace-7" for line in flaky)
 
 
+def test_a_text_log_line_stays_one_line_of_printable_text_and_json_times_are_utc(
+    dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a producer's trace_id (or a handler's error) forged log lines with its newlines and drove the terminal
+    # with its escape sequences; the JSON format's times were the host's local time, labelled Z
+    import logging
+    import time
+
+    from worker_core.logs import JsonFormatter, KeyValueFormatter, setup_logging
+
+    out = io.StringIO()
+    setup_logging("text", stream=out)
+    try:
+        forged = "t1\n12:00:01 ERROR forged job_id=FAKE\x1b[2J"
+        enqueue(conn, "t.permanent", {}, trace_id=forged)
+        conn.commit()
+        run_burst(dsn)
+    finally:
+        root = logging.getLogger()
+        for h in [h for h in root.handlers if getattr(h, "_worker_core", False)]:
+            root.removeHandler(h)
+    lines = out.getvalue().splitlines()
+    assert not any("\x1b" in line for line in lines)
+    assert not any(line.startswith("12:00:01") for line in lines)
+    failed = [line for line in lines if "permanent error" in line]
+    assert failed and all('trace_id="t1\\n12:00:01 ERROR forged job_id=FAKE\\x1b[2J"' in line for line in failed)
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        record = logging.LogRecord("x", logging.INFO, "", 0, "m", None, None)
+        record.created = 0.0
+        record.msecs = 0
+        assert json.loads(JsonFormatter().format(record))["ts"] == "1970-01-01T00:00:00.000Z"
+        assert KeyValueFormatter().format(record).startswith("19:00:00")  # people read their own time
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+
+
 def test_a_count_added_as_a_float_is_flushed_as_an_integer(conn: db.Conn) -> None:
     # the table's counters are bigint: a 1.0 from an aggregate once made every later flush (and the rest
     # of every heartbeat) fail
