@@ -1431,6 +1431,11 @@ class Slot:
         key, token = ex.lock
         try:
             held = self.w.locks.extend(self.conn, key, token, lease_seconds(ex.job["visibility_timeout_seconds"]))
+        except psycopg.Error:
+            # the PostgreSQL backend, in the job's transaction: an error there is the transaction's (a handler
+            # that set a search_path or made it read-only, or an outage), judged as any error at its settlement
+            # is (Slot.execute). Taken for a lost lock, it gave the job back uncharged, for ever
+            raise
         except Exception as e:
             ex.ctx.logger.warning("could not check lock %s before the commit: %s", key, db.redact(str(e), self.w.dsn))
             return False
@@ -1446,6 +1451,8 @@ class Slot:
                 params = {"key": key, "token": token, "ttl": ttl, "now": self.w.clock.now()}
                 return await (await aconn.execute(queries["lock_extend"], params)).fetchone() is not None
             return self.w.locks.extend(self.conn, key, token, ttl)
+        except psycopg.Error:
+            raise  # the job's transaction's: see _lock_held_to_commit
         except Exception as e:
             ex.ctx.logger.warning("could not check lock %s before the commit: %s", key, db.redact(str(e), self.w.dsn))
             return False

@@ -355,3 +355,15 @@ def test_a_kill_reaches_a_group_waiting_for_one_of_its_keys(dsn: str, conn: db.C
             holder.rollback()
             wait_for(lambda: state(dsn, b) == "succeeded", 10, what="the other job to run")
     assert [r["item"] for r in ledger(dsn)] == ["b"]
+
+
+def test_a_job_with_a_lock_key_that_breaks_its_own_transaction_is_charged_not_looped(
+    dsn: str, conn: db.Conn
+) -> None:
+    # the lock's lease is extended in the job's transaction before its commit: the error there (the handler
+    # made the transaction read-only) was taken for a lost lock, and the job given back uncharged, for ever
+    j = enqueue(conn, "t.read_only_tx", {}, idempotency_key="ro-lock", lock_key="order:1").id
+    conn.commit()
+    run_burst(dsn, group_max=1, timeout=60)
+    assert (state(dsn, j), job(dsn, j)["attempts"]) == ("dead_lettered", 3)
+    assert {e["class"] for e in job(dsn, j)["errors"]} == {"ReadOnlySqlTransaction"}
