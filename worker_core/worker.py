@@ -746,19 +746,20 @@ class Worker:
 
     _hb_conn: db.Conn | None = None
 
-    def _extend_lock(self, conn: db.Conn, ex: Execution) -> None:
+    def _extend_lock(self, conn: db.Conn, ex: Execution) -> bool:
         """A running job's lock_key lease, extended with its job lease. Lost (it ran out and another job
         holds it now): the job is cancelled, and commits nothing of what it did without the lock
         (Slot._after_failure gives it back). The backend failing (Redis gone): tried again next beat, the
-        other jobs' beats and the worker's go on meanwhile."""
+        other jobs' beats and the worker's go on meanwhile. False: the backend did not answer."""
         assert ex.lock is not None
         try:
             held = self.locks.extend(conn, ex.lock[0], ex.lock[1], lease_seconds(ex.job["visibility_timeout_seconds"]))
         except Exception as e:
             ex.ctx.logger.warning("could not extend the lease of lock %s: %s", ex.lock[0], db.redact(str(e), self.dsn))
-            return
+            return False
         if not held:
             ex.ctx.cancel("lock_lost")
+        return True
 
     def _heartbeat_conn(self) -> db.Conn:
         if self._hb_conn is None or self._hb_conn.closed or self._hb_conn.broken:
@@ -783,8 +784,6 @@ class Worker:
                     ex.ctx.cancel("lease_lost")
                 elif r["cancel_requested"]:
                     ex.ctx.cancel("killed")
-                elif ex.lock is not None:
-                    self._extend_lock(conn, ex)
         with conn.transaction():
             if final:
                 conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})
@@ -802,6 +801,12 @@ class Worker:
                         "in_flight": len(in_flight),
                     },
                 )
+        # after the jobs' leases and the worker's row: a lock backend that hangs (Redis stopped answering:
+        # each call waits for its socket timeout) delayed both, one call per job, until live workers' leases
+        # ran out; and after one failure, no more calls this beat
+        for ex in in_flight:
+            if ex.lock is not None and not ex.ctx.cancelled and not self._extend_lock(conn, ex):
+                break
         self.metrics.flush(conn)
         if not final:
             self._refresh_claim_filters(conn)

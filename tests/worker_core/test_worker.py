@@ -582,6 +582,31 @@ def test_a_lock_backend_that_fails_to_extend_a_lease_does_not_stop_the_heartbeat
         wait_for(lambda: state(dsn, j) == "succeeded", 10, what="the job to finish")
 
 
+def test_a_lock_backend_that_hangs_holds_up_neither_the_job_leases_nor_the_workers_beat(
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a Redis that stopped answering: each lock extension waited for its socket timeout, one job after
+    # another, before the worker's row was written; the next beat (and the leases of every job held,
+    # the prefetched ones too) came that much later, and a live worker's jobs were reclaimed as "died"
+    calls: list[float] = []
+
+    def hung(*args: Any) -> bool:
+        calls.append(time.monotonic())
+        time.sleep(1.5)
+        raise TimeoutError("lock backend timed out")
+
+    monkeypatch.setattr(PostgresLocks, "extend", hung)
+    ids = [enqueue(conn, "t.locked", {"seconds": 5}, lock_key=f"order:{i}").id for i in range(4)]
+    conn.commit()
+    beat = "SELECT last_heartbeat_at FROM workers WHERE id = %s"
+    with running_worker(dsn, heartbeat_interval=0.1, concurrency=4, cancel_grace=0.2) as w:
+        wait_for(lambda: all(state(dsn, j) == "running" for j in ids), 10, what="the jobs to start")
+        first = scalar(dsn, beat, (w.id,))
+        # one hung call per beat (1.5 s), not one per job (6 s) before the worker's row
+        wait_for(lambda: scalar(dsn, beat, (w.id,)) > first, 3, what="a beat while the backend hangs")
+    assert calls
+
+
 def test_the_lock_key_lease_of_an_abandoned_handler_is_not_given_away_while_it_may_still_run(
     conn: db.Conn, dsn: str
 ) -> None:
