@@ -10,8 +10,6 @@ threads, one call at a time (a lock), and reconnects by itself after the connect
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -148,8 +146,6 @@ class DatabaseBackend:
         self.actor = ops.Actor.current()
         self._conn: db.Conn | None = None
         self._lock = threading.Lock()
-        self._calls = threading.Lock()  # the fields below: which call runs, and which one was cut off
-        self._call_no = self._done_no = self._stuck_no = 0
 
     @property
     def description(self) -> str:
@@ -176,38 +172,19 @@ class DatabaseBackend:
     def _call(self, fn: Callable[[db.Conn], T]) -> T:
         with self._lock:
             conn = self._connection()
-            with self._calls:
-                self._call_no += 1
-                number = self._call_no
-            timer = threading.Timer(self.call_deadline_s, self._unstick, (conn, number))
-            timer.daemon = True
-            timer.start()
+            # a server that stopped answering: the screen says the database is unreachable (db.Deadline)
+            deadline = db.Deadline(conn, self.call_deadline_s)
             try:
-                return fn(conn)
+                with deadline:
+                    return fn(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
                 # a dead server, a terminated session or a timeout: start from a new connection next time
                 self._drop()
-                if self._stuck_no == number:
+                if deadline.expired:
                     raise psycopg.OperationalError(
                         f"the server did not answer within {self.call_deadline_s:g}s: connection dropped"
                     ) from e
                 raise
-            finally:
-                timer.cancel()
-                with self._calls:
-                    self._done_no = number
-
-    def _unstick(self, conn: db.Conn, number: int) -> None:
-        """A call past its deadline: a server that stopped answering while TCP still acknowledges (hung, or
-        a proxy in front of a dead one) is never noticed by keepalives, and the server's statement timeout
-        is the server's. Its socket is shut down, which fails the call at once (as close() does): the screen
-        says the database is unreachable, and the next call connects anew."""
-        with self._calls:
-            if self._call_no != number or self._done_no == number:
-                return  # it answered meanwhile
-            self._stuck_no = number
-            with contextlib.suppress(Exception), socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
@@ -228,9 +205,7 @@ class DatabaseBackend:
         if not self._lock.acquire(timeout=wait):
             conn = self._conn
             if conn is not None:
-                # a duplicate of the descriptor: shutdown acts on the socket itself, close on the copy
-                with contextlib.suppress(Exception), socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                    sock.shutdown(socket.SHUT_RDWR)
+                db.shut_down(conn)
             if not self._lock.acquire(timeout=5):
                 return  # still in libpq: the process ends anyway
         try:

@@ -6,9 +6,12 @@ then ``DATABASE_URL``, else the embedded PostgreSQL server (worker_core.embedded
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -196,3 +199,43 @@ def connection(dsn: str | None = None, **kwargs: Any) -> Iterator[Conn]:
         yield conn
     finally:
         conn.close()
+
+
+class Deadline:
+    """``with Deadline(conn, seconds):`` a call on ``conn`` still without an answer after ``seconds`` has the
+    connection's socket shut down, which fails it at once (``expired`` then says so). A server that stopped
+    answering while TCP still acknowledges (hung, or a proxy in front of a dead one) is noticed by neither
+    keepalives nor the server's own statement timeout: a reader waited on it for ever. Closing the
+    connection from the timer's thread instead would free what libpq, in the call, still uses."""
+
+    def __init__(self, conn: Conn, seconds: float) -> None:
+        self.conn = conn
+        self.seconds = seconds
+        self.expired = False
+        self._lock = threading.Lock()
+        self._done = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+        with self._lock:
+            self._done = True
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._done:
+                return  # it answered meanwhile
+            self.expired = True
+            shut_down(self.conn)
+
+
+def shut_down(conn: Conn) -> None:
+    """Shut the connection's socket down (from any thread): a call waiting on it fails at once."""
+    # a duplicate of the descriptor: shutdown acts on the socket itself, close on the copy
+    with contextlib.suppress(Exception), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.shutdown(socket.SHUT_RDWR)

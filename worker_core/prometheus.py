@@ -104,14 +104,26 @@ class FleetCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         up = GaugeMetricFamily("qconsole_database_up", "1 when the last scrape could read the database.")
-        with self._lock:
-            try:
-                ov = stats.overview(self._connection())
-            except psycopg.Error:
-                self._conn = None
-                up.add_metric([], 0)
-                yield up
-                return
+        seconds = 2 * self.statement_timeout_ms / 1000 + 2
+        # a server that stopped answering: the read is cut off (db.Deadline) and this scrape, and those that
+        # came meanwhile, say the database is down (they hung, and qconsole_database_up 0 never came)
+        if not self._lock.acquire(timeout=seconds + 1):
+            up.add_metric([], 0)
+            yield up
+            return
+        try:
+            conn = self._connection()
+            with db.Deadline(conn, seconds):
+                ov = stats.overview(conn)
+        except psycopg.Error:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            up.add_metric([], 0)
+            yield up
+            return
+        finally:
+            self._lock.release()
         up.add_metric([], 1)
         yield up
         jobs = GaugeMetricFamily(
@@ -153,8 +165,8 @@ class FleetCollector(Collector):
         yield from (jobs, lag, dlq, lease, tput, retries, dedup, workers, paused)
 
 
-def serve_fleet(dsn: str, port: int, addr: str = "0.0.0.0") -> Any:
+def serve_fleet(dsn: str, port: int, addr: str = "0.0.0.0", statement_timeout_ms: int = 5000) -> Any:
     registry = CollectorRegistry()
-    registry.register(FleetCollector(dsn))
+    registry.register(FleetCollector(dsn, statement_timeout_ms))
     server, _ = start_http_server(port, addr, registry=registry)
     return server

@@ -211,60 +211,14 @@ def test_a_payload_python_cannot_decode_hides_no_list(dsn: str, conn: db.Conn, m
         backend.close()
 
 
-class FreezingProxy:
-    """A TCP proxy in front of the server that can stop passing bytes while keeping both connections open:
-    a server that stopped answering (hung, or behind a proxy in front of a dead one), which TCP keepalives
-    never notice."""
-
-    def __init__(self, host: str, port: int) -> None:
-        import socket
-
-        self.target = (host, port)
-        self.frozen = threading.Event()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            host, port = self.target
-            if host.startswith("/"):  # a socket directory (the embedded server)
-                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                server.connect(f"{host}/.s.PGSQL.{port}")
-            else:
-                server = socket.create_connection(self.target)
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    def _pipe(self, src: Any, dst: Any) -> None:
-        try:
-            while data := src.recv(65536):
-                while self.frozen.is_set():
-                    time.sleep(0.05)
-                dst.sendall(data)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 def test_a_server_that_stops_answering_is_taken_for_an_outage_not_waited_for(dsn: str) -> None:
     # TCP still acknowledged, so neither keepalives nor the server's statement timeout ended the read: the
     # console's data froze and no banner came, for as long as the server stayed hung
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
     from qconsole.backend import is_outage
+    from tests.worker_core.helpers import FreezingProxy
 
-    params = conninfo_to_dict(dsn)
-    proxy = FreezingProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    backend = DatabaseBackend(make_conninfo(dsn, host="127.0.0.1", port=proxy.port), call_deadline_s=2.0)
+    proxy = FreezingProxy.before(dsn)
+    backend = DatabaseBackend(proxy.dsn, call_deadline_s=2.0)
     failures: list[BaseException] = []
 
     def read() -> None:

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
 import tests.worker_core.tasks  # noqa: F401 - producers get the t.* types' defaults (max_attempts, retry policy)
 from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK, Clock
@@ -165,3 +167,56 @@ def spawn_python(code: str, *args: str, log: Path, new_session: bool = False) ->
             stderr=out,
             start_new_session=new_session,
         )
+
+
+class FreezingProxy:
+    """A TCP proxy in front of the server that can stop passing bytes while keeping both connections open:
+    a server that stopped answering (hung, or behind a proxy in front of a dead one), which TCP keepalives
+    never notice."""
+
+    def __init__(self, host: str, port: int) -> None:
+        import socket
+
+        self.target = (host, port)
+        self.dsn = ""
+        self.frozen = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            host, port = self.target
+            if host.startswith("/"):  # a socket directory (the embedded server)
+                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                server.connect(f"{host}/.s.PGSQL.{port}")
+            else:
+                server = socket.create_connection(self.target)
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                while self.frozen.is_set():
+                    time.sleep(0.05)
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+    @classmethod
+    def before(cls, dsn: str) -> FreezingProxy:
+        """A proxy in front of ``dsn``'s server; its own DSN in ``dsn``."""
+        params = conninfo_to_dict(dsn)
+        proxy = cls(str(params.get("host") or "127.0.0.1"), int(str(params.get("port") or 5432)))
+        proxy.dsn = make_conninfo(dsn, host="127.0.0.1", port=proxy.port)
+        return proxy

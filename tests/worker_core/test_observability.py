@@ -94,6 +94,28 @@ def test_worker_and_fleet_endpoints_match_the_database(dsn: str, conn: db.Conn) 
     assert ov["t.ok"].dedup_hits == 1 and ov["t.ledger"].idempotency_hits == 1
 
 
+def test_the_fleet_endpoint_says_the_database_is_down_when_it_stops_answering(dsn: str) -> None:
+    # TCP still acknowledged: the scrape waited on the hung server (the Prometheus client timed out), and
+    # qconsole_database_up 0 never came
+    from tests.worker_core.helpers import FreezingProxy
+
+    proxy = FreezingProxy.before(dsn)
+    port = free_port()
+    server = serve_fleet(proxy.dsn, port, "127.0.0.1", statement_timeout_ms=500)
+    try:
+        assert scrape(port)[("qconsole_database_up", ())] == 1
+        proxy.frozen.set()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+            text = r.read().decode()
+        assert "qconsole_database_up 0.0" in text
+        proxy.frozen.clear()
+        assert scrape(port)[("qconsole_database_up", ())] == 1  # and back
+    finally:
+        proxy.frozen.clear()
+        server.shutdown()
+        proxy.close()
+
+
 def test_histograms_observe_each_job_of_a_group_not_the_groups_sum(dsn: str, conn: db.Conn) -> None:
     """Jobs sharing a transaction: their counters go to the buffer summed per group, but a histogram that
     observed the sum saw one huge latency instead of twelve small ones."""
