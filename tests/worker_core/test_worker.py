@@ -1087,21 +1087,26 @@ def test_a_signal_while_the_main_thread_holds_an_event_lock_still_stops(
     ).read_text()
 
 
+def supervised(sup: Supervisor, timeout: float) -> list[int]:
+    """Run a supervised burst in a thread; its exit code, or [] (failing the test) if it did not finish."""
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(sup.run()), daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        sup.stop()
+        t.join(30)
+        pytest.fail("the supervised burst did not finish")
+    return result
+
+
 def test_processes_a_payload_that_kills_its_process_is_dead_lettered_while_others_flow(
     conn: db.Conn, dsn: str
 ) -> None:
     crash = enqueue(conn, "t.crash", {}).id  # max_attempts 2
     oks = [enqueue(conn, "t.ok", {"ledger": True, "item": str(i)}).id for i in range(12)]
     sup = Supervisor(config(dsn, concurrency=2, task_modules=TASKS), processes=2)
-    result: list[int] = []
-    t = threading.Thread(target=lambda: result.append(sup.run()), daemon=True)
-    t.start()
-    t.join(90)
-    if t.is_alive():
-        sup.stop()
-        t.join(30)
-        pytest.fail("the supervised burst did not finish")
-    assert result == [0]
+    assert supervised(sup, 90) == [0]
     row = job(dsn, crash)
     assert row["state"] == "dead_lettered" and row["finished_at"] is not None
     assert kinds(dsn, crash) == ["lease_expired", "lease_expired"]
@@ -1145,14 +1150,7 @@ def test_a_worker_whose_metrics_port_is_taken_exits_as_misconfigured_and_is_not_
         port = taken.getsockname()[1]
         assert Worker(config(dsn, task_modules=TASKS, metrics_port=port)).run() == 2
         sup = Supervisor(config(dsn, task_modules=TASKS, metrics_port=port), processes=1)
-        result: list[int] = []
-        t = threading.Thread(target=lambda: result.append(sup.run()), daemon=True)
-        t.start()
-        t.join(60)
-        if t.is_alive():
-            sup.stop()
-            t.join(30)
-        assert (result, sup.restarts, sup.refused) == ([2], 0, 1)
+        assert (supervised(sup, 60), sup.restarts, sup.refused) == ([2], 0, 1)
 
 
 def test_a_supervisor_that_cannot_start_a_worker_stops_the_ones_it_started(
