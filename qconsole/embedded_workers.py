@@ -27,7 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
+import psycopg
+
 from qconsole.widgets.fmt import printable
+from worker_core import db
+from worker_core.supervisor import end_dead_worker
 
 OUTPUT_LINES = 2000
 #: what ``qconsole worker`` exits with when it refuses its arguments (a task module it cannot import)
@@ -240,6 +244,8 @@ class EmbeddedWorkers:
                 w.restart = False  # a task module that cannot be imported, say: starting again changes nothing
             restarting = crashed and w.restart and not self._closed
         w.output.append(f"[exited with code {code}{'' if not crashed else ': crashed'}]")
+        if code != 0:
+            self._end_leases(w, proc.pid)
         if crashed and code == USAGE_ERROR:
             w.output.append("[not restarted: the worker refused its configuration (see above)]")
         self._notify(w, restarting)
@@ -252,6 +258,18 @@ class EmbeddedWorkers:
                 w.restarts += 1
                 w.output.append(f"[restart {w.restarts}]")
                 self._spawn(w)
+
+    def _end_leases(self, w: EmbeddedWorker, pid: int) -> None:
+        """A process that died (or was killed) without stopping: the jobs it held are reclaimed now, not when
+        their leases run out, and its row in the workers screen says stopped instead of lost, as
+        ``qconsole worker --processes`` does for its children. A clean exit released its jobs itself."""
+        try:
+            ended = end_dead_worker(self.dsn, process=(w.host, pid))
+        except psycopg.Error as e:
+            w.output.append(f"[could not end its leases: {printable(db.redact(str(e), self.dsn))}]")
+            return
+        if ended:
+            w.output.append(f"[ended the leases of {len(ended)} jobs it held: any worker takes them now]")
 
     def _notify(self, w: EmbeddedWorker, restarting: bool) -> None:
         cb = self._on_exit

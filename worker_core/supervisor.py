@@ -27,6 +27,28 @@ from worker_core.sql import queries
 from worker_core.worker import EXIT_CONFIG, WorkerConfig, run_worker
 
 
+def end_dead_worker(dsn: str, *, worker_id: str | None = None, process: tuple[str, int] | None = None) -> list[str]:
+    """A worker process that died without stopping (killed, crashed, or a payload that killed it): its leases
+    end now, so any worker reclaims its jobs at once instead of when their visibility timeout runs out, and
+    its row in ``workers`` says it stopped (it read as alive until its heartbeat went stale, then as lost).
+    Name it by ``worker_id``, or by ``process`` = (host, pid) when its id is not known (a worker a console
+    started). Returns the ids of the jobs whose leases ended; raises psycopg.Error (the leases then still
+    run out by themselves)."""
+    if (worker_id is None) == (process is None):
+        raise ValueError("name the worker by its id or by its process")
+    with db.connect(dsn, application_name="qconsole-supervisor") as conn, conn.transaction():
+        if process is not None:
+            rows = conn.execute(queries["workers_of_process"], {"host": process[0], "pid": process[1]})
+            ids = [r["id"] for r in rows.fetchall()]
+        else:
+            ids = [worker_id]
+        now = SYSTEM_CLOCK.now()
+        ended = conn.execute(queries["expire_worker_leases"], {"now": now, "workers": ids}).fetchall()
+        for one in ids:
+            conn.execute(queries["worker_stopped"], {"now": now, "id": one})
+    return [str(r["id"]) for r in ended]
+
+
 def _child(config: WorkerConfig, log_format: str) -> None:
     from worker_core.logs import setup_logging
 
@@ -78,17 +100,13 @@ class Supervisor:
         self.children[slot] = (proc, worker_id)
 
     def _expire(self, worker_id: str) -> None:
-        """A child that died: its leases end now, and its row in ``workers`` says it stopped (it read as alive
-        until its heartbeat went stale)."""
         try:
-            with db.connect(self.dsn, application_name="qconsole-supervisor") as conn, conn.transaction():
-                now = SYSTEM_CLOCK.now()
-                rows = conn.execute(queries["expire_worker_leases"], {"now": now, "workers": [worker_id]}).fetchall()
-                conn.execute(queries["worker_stopped"], {"now": now, "id": worker_id})
-            if rows:
-                self.log.warning("ended %s leases of dead worker %s", len(rows), worker_id)
+            ended = end_dead_worker(self.dsn, worker_id=worker_id)
         except psycopg.Error as e:
             self.log.warning("could not end the leases of %s: %s", worker_id, db.redact(str(e), self.dsn))
+            return
+        if ended:
+            self.log.warning("ended %s leases of dead worker %s", len(ended), worker_id)
 
     def stop(self) -> None:
         self._stop.set()
@@ -174,4 +192,4 @@ def run_supervised(config: WorkerConfig, processes: int, log_format: str = "text
     return Supervisor(config, processes, log_format).run()
 
 
-__all__ = ["Supervisor", "run_supervised"]
+__all__ = ["Supervisor", "end_dead_worker", "run_supervised"]

@@ -7,6 +7,7 @@ new current loop behind so that later ``snap_compare`` calls still find one (Tex
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import io
 import json
 import os
@@ -559,11 +560,22 @@ def test_start_and_stop_an_embedded_worker_that_crashes_and_restarts(
             await until(pilot, registered, what="the embedded worker's heartbeat")
             await until(pilot, lambda: stats.get_job(conn, job).state == JobState.SUCCEEDED, what="the job to run")
             # a handler that kills its process: the crash is shown, the worker restarts, the UI keeps going
-            make_job("t.crash", {})
+            first_pid = w.pid
+            crash = make_job("t.crash", {})
             await until(pilot, lambda: w.crashes >= 1, what="the crash")
             await until(pilot, lambda: "exited with 13" in notes(app), what="the crash notice")
+            # the dead process's lease on the job ended with it, and its row says stopped, not lost
+            await until(pilot, lambda: any("ended the leases of 1 jobs" in line for line in w.output), what="leases")
+            [dead] = [x for x in stats.workers(conn) if x.pid == first_pid]
+            assert dead.stopped_at is not None
+            j = stats.get_job(conn, crash)  # its lease ended, or the restarted worker took it back already
+            assert j.lease_expirations >= 1 or j.locked_until < dt.datetime.now(dt.timezone.utc), j
             await pilot.press("a", "w")  # still responsive
-            await until(pilot, lambda: w.running and w.restarts >= 1, what="the restart")
+            # so the restarted worker runs it again at once, alone, and dies again: its last attempt. The
+            # next claim dead-letters it without running it (a poison pill)
+            await until(pilot, lambda: stats.get_job(conn, crash).state == JobState.DEAD_LETTERED, what="poison pill")
+            assert w.crashes == 2
+            await until(pilot, lambda: w.running and w.restarts >= 2, what="the restart")
             await until(pilot, registered, what="the restarted worker's heartbeat")
             app.screen.reload()
             await settle(pilot)

@@ -445,6 +445,10 @@ VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(tasks)s, %(concurrency)s, %(in_
 ON CONFLICT (id) DO UPDATE SET
     in_flight = EXCLUDED.in_flight, last_heartbeat_at = EXCLUDED.last_heartbeat_at, stopped_at = NULL;
 
+-- name: workers_of_process
+-- The worker rows of one process not yet stopped (a process a console started knows its pid, not its id).
+SELECT id FROM workers WHERE host = %(host)s AND pid = %(pid)s AND stopped_at IS NULL;
+
 -- name: worker_stopped
 UPDATE workers SET stopped_at = %(now)s, in_flight = 0, last_heartbeat_at = %(now)s WHERE id = %(id)s;
 
