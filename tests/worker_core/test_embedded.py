@@ -470,3 +470,40 @@ def test_concurrent_tuners_share_one_restart(pgdata: Path, procs: list[subproces
         proc.communicate("go\n", timeout=TIMEOUT)
         assert proc.returncode == 0
     assert postmaster(pgdata) is None
+
+
+# --- a first start interrupted during initdb ------------------------------------------------------------
+
+
+def test_a_first_start_killed_during_initdb_leaves_nothing_half_built(
+    pgdata: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    script = PRELUDE + START_AND_EXIT
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(pgdata)], env=_env(), text=True, stdout=subprocess.PIPE,
+        start_new_session=True,  # its initdb is killed with it, as by a closed terminal
+    )
+    procs.append(proc)
+    staging = pgdata.parent / f".{pgdata.name}.initdb-{proc.pid}"
+    deadline = time.monotonic() + TIMEOUT
+    while not (staging / "PG_VERSION").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "initdb never started"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # initdb has begun and not finished
+    proc.wait(TIMEOUT)
+    assert not (pgdata / "PG_VERSION").exists()
+    ok(run(START_AND_EXIT, pgdata))  # before: a server with no database "postgres", or a start that hung
+    assert not staging.exists()  # the dead process's staging directory is gone
+    assert (pgdata / "PG_VERSION").exists()
+
+
+def test_a_half_built_data_directory_says_to_delete_it(pgdata: Path) -> None:
+    init_cluster(pgdata)
+    (pgdata / "global" / "pg_control").unlink()  # as initdb killed before its bootstrap ended
+    out = ok(run("""
+        try:
+            start_embedded(PGDATA)
+        except EmbeddedUnavailable as exc:
+            print(exc)
+        """, pgdata))
+    assert "half-built" in out and f"rm -r {pgdata}" in out and "QCONSOLE_DSN" in out
