@@ -40,8 +40,8 @@ class SingleFlightTimeout(TransientError):
     """Waited too long for another job's refill: retry later."""
 
 
-def _get(conn: db.Conn, key: str, clock: Clock) -> tuple[bool, Any]:
-    row = conn.execute(queries["single_flight_get"], {"key": key, "now": clock.now()}).fetchone()
+def _get(conn: db.AnyConn, key: str, clock: Clock) -> tuple[bool, Any]:
+    row = db.dict_cursor(conn).execute(queries["single_flight_get"], {"key": key, "now": clock.now()}).fetchone()
     return (True, row["value"]) if row else (False, None)
 
 
@@ -58,7 +58,7 @@ def _storable(key: str, value: Any) -> Any:
     return json.loads(text)
 
 
-def _put(conn: db.Conn, key: str, value: Any, ttl: float, clock: Clock) -> None:
+def _put(conn: db.AnyConn, key: str, value: Any, ttl: float, clock: Clock) -> None:
     conn.execute(queries["single_flight_put"], {"key": key, "value": Jsonb(value), "ttl": ttl, "now": clock.now()})
 
 
@@ -94,7 +94,7 @@ class _LeaseKeeper:
         self._thread.join(5)
 
 
-def _conninfo(conn: db.Conn) -> str:
+def _conninfo(conn: db.AnyConn) -> str:
     """A DSN for another connection like ``conn`` (its password included, which ``info.dsn`` leaves out)."""
     password = conn.info.password
     return make_conninfo(conn.info.dsn, **({"password": password} if password else {}))
@@ -105,7 +105,7 @@ def single_flight(
     ttl: float,
     refill: Callable[[], T],
     *,
-    conn: db.Conn | None = None,
+    conn: db.AnyConn | None = None,
     dsn: str | None = None,
     wait: float = 30.0,
     lease: float = 60.0,
@@ -230,6 +230,6 @@ async def _release_elsewhere(dsn: str, name: str, token: str) -> None:
             await conn.close()
 
 
-def forget(conn: db.Conn, key: str) -> None:
+def forget(conn: db.AnyConn, key: str) -> None:
     """Drop a cached value, so the next caller refills it."""
     conn.execute(queries["single_flight_forget"], {"key": key})

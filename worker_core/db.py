@@ -23,7 +23,16 @@ from psycopg.types.json import set_json_loads
 
 DSN_ENV_VARS = ("QCONSOLE_DSN", "DATABASE_URL")
 Conn = psycopg.Connection[dict[str, Any]]
+#: a connection of the application's, whatever its row factory (the producer API takes one)
+AnyConn = psycopg.Connection[Any]
 AsyncConn = psycopg.AsyncConnection[dict[str, Any]]
+
+
+def dict_cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[dict[str, Any]]:
+    """A cursor of dict rows on any connection. The producer API takes the application's own connection,
+    whose rows are tuples unless it chose otherwise: worker_core's statements read their results through
+    this, never through ``conn.execute``."""
+    return conn.cursor(row_factory=dict_row)
 
 
 def configured_dsn(dsn: str | None = None) -> str | None:

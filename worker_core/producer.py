@@ -15,7 +15,7 @@ from psycopg.pq import TransactionStatus
 
 from worker_core import policy
 from worker_core.clock import SYSTEM_CLOCK, Clock
-from worker_core.db import Conn
+from worker_core.db import AnyConn, dict_cursor
 from worker_core.envelope import (
     DEFAULT_QUEUE,
     DEFAULT_VISIBILITY_MARGIN_SECONDS,
@@ -77,7 +77,7 @@ REGISTERED_TTL_SECONDS = 60.0
 
 
 def registered_defaults(
-    conn: Conn, job_types: Iterable[str], registry: Registry | None = None
+    conn: AnyConn, job_types: Iterable[str], registry: Registry | None = None
 ) -> dict[str, Registered]:
     """The contracts the workers registered (job_type_contracts) for the types this process has no @task for,
     so a producer that never imports the handlers still enqueues under the handlers' contract."""
@@ -88,7 +88,8 @@ def registered_defaults(
     wanted = {t for t in job_types if isinstance(t, str) and JOB_TYPE_RE.match(t) and t not in local}
     missing = [t for t in wanted if _registered_cache.get((database, t), (0.0, None))[0] < now]
     if missing:
-        found = {r["job_type"]: r for r in conn.execute(queries["contracts_for_types"], {"job_types": missing})}
+        cur = dict_cursor(conn)
+        found = {r["job_type"]: r for r in cur.execute(queries["contracts_for_types"], {"job_types": missing})}
         for t in missing:
             row = found.get(t)
             _registered_cache[(database, t)] = (
@@ -126,7 +127,7 @@ def _registered_from_contract(row: Mapping[str, Any]) -> Registered:
     return Registered(own, policy.Layer(layer_name, overrides, "registered") if overrides else None)
 
 
-def _in_callers_transaction(conn: Conn) -> contextlib.AbstractContextManager[Any]:
+def _in_callers_transaction(conn: AnyConn) -> contextlib.AbstractContextManager[Any]:
     """A transaction of its own on an autocommit connection, a savepoint inside the caller's open one.
 
     On a non-autocommit connection with no transaction open yet, psycopg's ``transaction()`` would BEGIN
@@ -138,7 +139,7 @@ def _in_callers_transaction(conn: Conn) -> contextlib.AbstractContextManager[Any
     return contextlib.nullcontext()
 
 
-def _count_dedup_hits(conn: Conn, now: dt.datetime, hits: Mapping[tuple[str, str], int]) -> None:
+def _count_dedup_hits(conn: AnyConn, now: dt.datetime, hits: Mapping[tuple[str, str], int]) -> None:
     rows = [{"queue": q, "job_type": t, "n": n} for (q, t), n in sorted(hits.items()) if n]
     if rows:
         conn.execute(queries["count_dedup_hits"], {"now": now, "rows": json.dumps(rows)})
@@ -165,7 +166,7 @@ def _params(env: Envelope, now: dt.datetime) -> dict[str, Any]:
 
 
 def enqueue(
-    conn: Conn,
+    conn: AnyConn,
     job_type: str,
     payload: Mapping[str, Any] | None = None,
     *,
@@ -187,12 +188,13 @@ def enqueue(
     )
     now = clock.now()
     params = {**_params(env, now), "now": now}
+    cur = dict_cursor(conn)
     with _in_callers_transaction(conn):
         for _ in range(5):
-            row = conn.execute(queries["insert_job"], params).fetchone()
+            row = cur.execute(queries["insert_job"], params).fetchone()
             if row:
                 return EnqueueResult(row["id"], True)
-            found = conn.execute(queries["live_by_dedup_keys"], {"keys": [env.dedup_key]}).fetchone()
+            found = cur.execute(queries["live_by_dedup_keys"], {"keys": [env.dedup_key]}).fetchone()
             if found:
                 _count_dedup_hits(conn, now, {(env.queue, env.job_type): 1})
                 return EnqueueResult(found["id"], False)
@@ -200,8 +202,17 @@ def enqueue(
     raise RuntimeError(f"could not enqueue {job_type}: dedup key {env.dedup_key!r} kept changing hands")
 
 
+def _in_key_order(envs: list[Envelope]) -> list[Envelope]:
+    """Jobs with a dedup key first, in key order, then the others as given. Each insert holds its key's
+    index entry until the caller commits: two producers whose batches share keys in different orders
+    waited for each other, and PostgreSQL aborted one of them (its business write with it). In one order
+    for every producer, the later one waits for the earlier's commit instead. Stable: of two jobs with
+    the same key, the first given is the one inserted."""
+    return sorted(envs, key=lambda e: (e.dedup_key is None, e.dedup_key or ""))
+
+
 def enqueue_many(
-    conn: Conn,
+    conn: AnyConn,
     jobs: Iterable[tuple[str, Mapping[str, Any]] | tuple[str, Mapping[str, Any], Mapping[str, Any]]],
     *,
     clock: Clock = SYSTEM_CLOCK,
@@ -231,22 +242,24 @@ def enqueue_many(
     if not envs:
         return []
     now = clock.now()
-    rows = [_params(env, now) for env in envs]
+    rows = [_params(env, now) for env in _in_key_order(envs)]
     columns = {name: [r[name] for r in rows] for name in rows[0]}
+    cur = dict_cursor(conn)
     with _in_callers_transaction(conn):
-        inserted = conn.execute(queries["insert_jobs_many"], {**columns, "now": now}).fetchall()
+        inserted = cur.execute(queries["insert_jobs_many"], {**columns, "now": now}).fetchall()
         by_key = {r["dedup_key"]: r["id"] for r in inserted if r["dedup_key"] is not None}
         for _ in range(5):
             missing = list(dict.fromkeys(e.dedup_key for e in envs if e.dedup_key and e.dedup_key not in by_key))
             if missing:
-                for r in conn.execute(queries["live_by_dedup_keys"], {"keys": missing}):
+                for r in cur.execute(queries["live_by_dedup_keys"], {"keys": missing}).fetchall():
                     by_key.setdefault(r["dedup_key"], r["id"])
             # a holder that finished between our insert and our look-up: those jobs are inserted again
             gone = {k for k in missing if k not in by_key}
             if not gone:
                 break
-            again = [_params(e, now) for e in {e.dedup_key: e for e in reversed(envs) if e.dedup_key in gone}.values()]
-            more = conn.execute(
+            firsts = {e.dedup_key: e for e in reversed(envs) if e.dedup_key in gone}
+            again = [_params(e, now) for e in _in_key_order(list(firsts.values()))]
+            more = cur.execute(
                 queries["insert_jobs_many"], {**{n: [r[n] for r in again] for n in again[0]}, "now": now}
             ).fetchall()
             inserted += more

@@ -189,3 +189,11 @@ def test_a_mistyped_lock_backend_url_does_not_show_its_password() -> None:
     with pytest.raises(ValueError) as caught:
         lock_backend("reddis://:S3cretPW@redis.internal:6379/0")
     assert "S3cretPW" not in str(caught.value) and "***" in str(caught.value)
+
+
+def test_single_flight_on_a_plain_psycopg_connection(dsn: str) -> None:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as plain:  # tuple rows
+        assert single_flight("plain", 60, lambda: {"v": 1}, conn=plain) == {"v": 1}
+        assert single_flight("plain", 60, lambda: {"v": 2}, conn=plain) == {"v": 1}  # the cached one

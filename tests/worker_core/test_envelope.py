@@ -6,9 +6,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import threading
 import uuid
 from typing import Any
 
+import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -423,27 +425,55 @@ def test_a_timeout_given_alone_brings_a_lease_long_enough_for_it(tx_conn: db.Con
 
 
 def test_enqueue_many_when_a_dedup_holder_finishes_between_its_insert_and_its_look_up(
-    conn: db.Conn, dsn: str
+    conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the live holder of "k" makes the insert skip it; it finishes before the look-up finds it: the job is
     # inserted again (it raised KeyError, after the rows without a key were written)
+    from worker_core import producer
+
     holder = enqueue(conn, "t.ok", {}, dedup_key="k").id
     conn.commit()
-    execute, finished = conn.execute, []
+    finished: list[bool] = []
+    real = producer.dict_cursor
 
-    def holder_finishes_meanwhile(query: Any, *args: Any, **kwargs: Any) -> Any:
-        if "dedup_key = ANY" in str(query) and not finished:
-            with db.connect(dsn, autocommit=True) as other:
-                other.execute("UPDATE job_queue SET state = 'succeeded', finished_at = now() WHERE id = %s", (holder,))
-            finished.append(True)
-        return execute(query, *args, **kwargs)
+    class HolderFinishesMeanwhile:
+        def __init__(self, cur: Any) -> None:
+            self.cur = cur
 
-    conn.execute = holder_finishes_meanwhile  # type: ignore[method-assign]
-    try:
-        results = enqueue_many(conn, [("t.ok", {"n": 1}), ("t.ok", {"n": 2}, {"dedup_key": "k"})])
-    finally:
-        del conn.execute
+        def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+            if "dedup_key = ANY" in str(query) and not finished:
+                with db.connect(dsn, autocommit=True) as other:
+                    done = "UPDATE job_queue SET state = 'succeeded', finished_at = now() WHERE id = %s"
+                    other.execute(done, (holder,))
+                finished.append(True)
+            return self.cur.execute(query, *args, **kwargs)
+
+    monkeypatch.setattr(producer, "dict_cursor", lambda c: HolderFinishesMeanwhile(real(c)))
+    results = enqueue_many(conn, [("t.ok", {"n": 1}), ("t.ok", {"n": 2}, {"dedup_key": "k"})])
     conn.commit()
     assert finished and [r.created for r in results] == [True, True] and results[1].id != holder
     live = conn.execute("SELECT id FROM job_queue WHERE dedup_key = 'k' AND state = 'queued'").fetchall()
     assert [r["id"] for r in live] == [results[1].id]
+
+
+def test_concurrent_batches_sharing_dedup_keys_in_other_orders_do_not_deadlock(dsn: str) -> None:
+    keys = [f"order:{i}" for i in range(3000)]
+    barrier = threading.Barrier(2)
+    outcome: dict[str, str] = {}
+
+    def produce(name: str, order: list[str]) -> None:
+        with db.connect(dsn) as c:
+            barrier.wait()
+            try:
+                with c.transaction():
+                    results = enqueue_many(c, [("t.ok", {}, {"dedup_key": k}) for k in order])
+                outcome[name] = f"created {sum(r.created for r in results)}"
+            except psycopg.Error as e:
+                outcome[name] = type(e).__name__
+
+    threads = [threading.Thread(target=produce, args=args) for args in (("A", keys), ("B", keys[::-1]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(outcome.values()) == ["created 0", "created 3000"], outcome  # before: DeadlockDetected

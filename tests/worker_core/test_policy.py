@@ -209,3 +209,26 @@ def test_a_partial_retry_policy_stays_partial_through_replace_and_at_enqueue(
     row = conn.execute("SELECT retry_policy FROM job_queue WHERE id = %s", (jid,)).fetchone()
     assert row is not None
     assert row["retry_policy"] == {"backoff": "linear", "base_seconds": 7, "max_delay_seconds": 600.0, "jitter": 0.0}
+
+
+def test_a_producer_enqueues_on_its_own_plain_psycopg_connection(dsn: str, conn: db.Conn) -> None:
+    """The README's producer passes its application's connection: tuple rows, psycopg's default."""
+    import psycopg
+
+    from tests.worker_core.helpers import run_burst
+    from worker_core import producer
+    from worker_core.producer import enqueue_many
+
+    run_burst(dsn)  # registered contracts are read too
+    producer._registered_cache.clear()
+    with psycopg.connect(dsn) as app_conn:
+        with app_conn.transaction():
+            app_conn.execute("CREATE TABLE orders (id int)")
+            app_conn.execute("INSERT INTO orders VALUES (1)")
+            first = enqueue(app_conn, "t.crash", {}, dedup_key="order:1", registry=Registry())
+            again = enqueue(app_conn, "t.crash", {}, dedup_key="order:1", registry=Registry())
+            many = enqueue_many(app_conn, [("t.ok", {}, {"dedup_key": "order:1"}), ("t.ok", {})])
+        assert first.created and not again.created and again.id == first.id
+        assert [r.created for r in many] == [False, True] and many[0].id == first.id
+    row = conn.execute("SELECT max_attempts FROM job_queue WHERE id = %s", (first.id,)).fetchone()
+    assert row is not None and row["max_attempts"] == 2  # t.crash's registered contract
