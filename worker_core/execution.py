@@ -1637,6 +1637,12 @@ class Slot:
 
     # settling failures -------------------------------------------------------------------
 
+    def give_back(self, ex: Execution) -> None:
+        """A job cancelled before it began (a pause, a stop: Worker._give_back_queued), from outside the
+        slots: released as a slot would release it."""
+        assert ex.ctx.cancel_reason is not None
+        self._after_failure(ex, Cancelled(ex.ctx.cancel_reason))
+
     def _after_failure(self, ex: Execution, exc: BaseException) -> None:
         if isinstance(exc, Cancelled):
             if exc.reason == "lease_lost":

@@ -262,9 +262,11 @@ class Worker:
 
     def _shutdown(self) -> None:
         # jobs still waiting in the prefetch buffer are not started during a shutdown: released at once
-        for ex in list(self._in_flight.values()):
-            if not ex.begun:
-                ex.ctx.cancel("shutdown")
+        with self._exec_lock:
+            for ex in list(self._in_flight.values()):
+                if not ex.begun:
+                    ex.ctx.cancel("shutdown")
+        self._give_back_queued()
         start = time.monotonic()
         with self._slot_free:
             # read again each time round: a second signal sets the grace to 0
@@ -504,9 +506,53 @@ class Worker:
         """The jobs of a paused queue this worker claimed but has not begun (its prefetch: up to hundreds of
         fast ones) are released, not started after the pause; those running go on."""
         with self._exec_lock:
+            held = False
             for ex in list(self._in_flight.values()):
                 if not ex.begun and ex.ctx.cancel_reason is None and ex.job["queue"] in paused:
                     ex.ctx.cancel("paused")
+                    held = True
+        if held:
+            # from a thread of its own: this one beats for the running jobs, whose leases must not wait
+            # for a release retried through a database outage
+            threading.Thread(target=self._give_back_queued, name="give-back", daemon=True).start()
+
+    #: why a job claimed and not begun is given back without running (Slot._after_failure releases it)
+    GIVE_BACK_REASONS = ("paused", "shutdown")
+
+    def _give_back_queued(self) -> None:
+        """The jobs a pause or a stop gives back that no slot has taken yet are released now, by this
+        thread. Left in the queue until a slot came free, they stayed running and held by this worker,
+        out of every other worker's reach, for as long as the longest job in hand ran (or the whole
+        shutdown grace, then as lease expirations). Jobs a slot has taken are released by that slot."""
+        kept: list[list[Execution] | None] = []
+        out: list[Execution] = []
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue_mod.Empty:
+                break
+            if item is None:
+                kept.append(None)
+                continue
+            stay: list[Execution] = []
+            for ex in item:  # in the queue: no slot has it, so it has not begun
+                (out if ex.ctx.cancel_reason in self.GIVE_BACK_REASONS else stay).append(ex)
+            if stay:
+                kept.append(stay)
+        for again in kept:
+            self._jobs.put(again)
+        if not out:
+            return
+        slot = Slot(self, -1)
+        try:
+            for ex in out:
+                try:
+                    slot.give_back(ex)
+                except Exception:
+                    ex.ctx.logger.exception("could not give the job back: its lease brings it back")
+        finally:
+            slot.close()
+            self._done_many(out)
 
     def _refresh_limits(self, conn: db.Conn) -> None:
         with conn.transaction():

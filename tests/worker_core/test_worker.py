@@ -750,19 +750,33 @@ def test_pause_and_resume(conn: db.Conn, dsn: str) -> None:
     assert state(dsn, held) == "succeeded"
 
 
-def test_a_pause_holds_the_jobs_a_worker_claimed_but_has_not_started(conn: db.Conn, dsn: str) -> None:
+def test_a_pause_gives_back_at_once_the_jobs_a_worker_claimed_but_has_not_started(conn: db.Conn, dsn: str) -> None:
     # the pause changed the next claims only: the jobs in the worker's prefetch buffer still started after
-    # it, one after another (up to hundreds of fast grouped ones)
-    ids = [enqueue(conn, "t.slow", {"seconds": 1.0}, queue="q").id for _ in range(4)]
+    # it, one after another (up to hundreds of fast grouped ones). Then they were given back only once a
+    # slot came free: held and counted running for as long as the job in hand ran
+    ids = [enqueue(conn, "t.slow", {"seconds": 6.0}, queue="q").id for _ in range(4)]
     conn.commit()
-    with running_worker(dsn, concurrency=1, prefetch=3, heartbeat_interval=0.2):
+    with running_worker(dsn, concurrency=1, prefetch=3, heartbeat_interval=0.2, shutdown_grace=0):
         wait_for(lambda: [state(dsn, j) for j in ids].count("running") == 4, 10, what="a claim of all four")
         ops.pause(conn, "q", actor=ME)
         conn.commit()
-        time.sleep(2.5)  # the one running has finished; none of the others may have started
-        states = [state(dsn, j) for j in ids]
-    assert sorted(states) == ["queued", "queued", "queued", "succeeded"], states
-    assert sorted(job(dsn, j)["attempts"] for j in ids) == [0, 0, 0, 1]  # released uncharged
+        wait_for(lambda: [state(dsn, j) for j in ids].count("queued") == 3, 4, what="three given back")
+        rows = [job(dsn, j) for j in ids]  # the one running goes on
+    assert sorted(r["state"] for r in rows) == ["queued", "queued", "queued", "running"], rows
+    assert sorted(r["attempts"] for r in rows) == [0, 0, 0, 1]  # released uncharged
+
+
+def test_a_stop_gives_back_at_once_the_jobs_a_worker_claimed_but_has_not_started(conn: db.Conn, dsn: str) -> None:
+    ids = [enqueue(conn, "t.slow", {"seconds": 6.0}).id for _ in range(4)]
+    conn.commit()
+    wt = WorkerThread(dsn, burst=False, concurrency=1, prefetch=3, heartbeat_interval=0.2, shutdown_grace=30).start()
+    try:
+        wait_for(lambda: [state(dsn, j) for j in ids].count("running") == 4, 10, what="a claim of all four")
+        wt.worker.stop()  # the running one has its grace; the three others are given back now, not after it
+        wait_for(lambda: [state(dsn, j) for j in ids].count("queued") == 3, 4, what="three given back")
+    finally:
+        wt.join(30)
+    assert sorted(state(dsn, j) for j in ids) == ["queued", "queued", "queued", "succeeded"]
 
 
 def test_a_dropped_job_in_a_paused_queue_does_not_hold_up_the_other_queues(conn: db.Conn, dsn: str) -> None:
