@@ -357,6 +357,15 @@ def clear_limit(
                 f"no limit on {job_type!r} in {scope}: "
                 + (f"its limits are {', '.join(held)} (--queue)" if held else "the type has no limit")
             )
+        if found["source"] == "task":
+            # cleared, it came back with the next heartbeat of any worker running the type, while this said
+            # it was lifted (the delete is rolled back with this error)
+            n = found["max_running"]
+            raise ValueError(
+                f"the limit of {job_type!r} ({n}) is declared by its @task(concurrency={n}): every worker running "
+                f"it declares it again. Set an operator limit instead (qconsole limit {job_type} N --reason ...), "
+                "which workers leave alone, or remove it from the code"
+            )
         audit_id = _audit(
             conn, now, actor, "unlimit", queue=None if queue == "*" else queue, reason=reason,
             detail={"job_type": job_type, "queue": queue, "existed": found is not None},

@@ -564,6 +564,9 @@ class Worker:
                         {"job_type": t.job_type, "max_running": t.concurrency, "reason": "@task(concurrency=...)",
                          "now": now},
                     )  # fmt: skip
+            unlimited = [t.job_type for t in self.registry if t.concurrency is None]
+            if unlimited:
+                conn.execute(queries["limit_drop_from_task"], {"job_types": unlimited})
             found = conn.execute(queries["limits_for_types"], {"job_types": self.registry.job_types()}).fetchall()
         self._limits = [(r["job_type"], r["scope"], r["max_running"]) for r in found]
 

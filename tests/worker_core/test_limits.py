@@ -86,6 +86,20 @@ def test_a_burst_worker_ends_when_what_is_left_is_held_by_a_limit_of_zero(
     assert scalar(dsn, states, (other,)) == ("queued" if scope == "*" else "succeeded")
 
 
+def test_a_burst_worker_ends_when_an_expired_lease_is_held_by_a_limit_of_zero(dsn: str, conn: db.Conn) -> None:
+    # the job of a worker that died: the limit holds it running (claim_solo leaves it), so the burst waited
+    dropped = enqueue(conn, "t.ok", {}).id
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'gone',"
+        " locked_until = now() - interval '1 minute' WHERE id = %s",
+        (dropped,),
+    )
+    ops.set_limit(conn, "t.ok", 0, reason="hold t.ok, its expired leases included")
+    conn.commit()
+    run_burst(dsn, timeout=30)
+    assert scalar(dsn, "SELECT state FROM job_queue WHERE id = %s", (dropped,)) == "running"
+
+
 def test_a_types_limit_caps_its_queues_own_limits_too(dsn: str, conn: db.Conn) -> None:
     """`limit T 1` and `limit T 3 --queue slow`: both apply, so never more than one runs anywhere."""
     enqueue_many(conn, [("t.limited", {"seconds": 0.05}, {"queue": q}) for q in ("slow", "default") * 3])
@@ -120,3 +134,22 @@ def test_a_limit_on_a_misspelt_type_is_refused_not_silently_ineffective(conn: db
     ops.set_limit(conn, "t.ok", 0, reason="incident")  # a type with jobs
     ops.set_limit(conn, "t.coming", 2, reason="before its first deploy", allow_unknown=True)
     assert {r["job_type"] for r in stats.limits(conn)} == {"t.ok", "t.coming"}
+
+
+def test_a_limit_the_code_no_longer_declares_is_dropped_by_the_workers(dsn: str, conn: db.Conn) -> None:
+    # an earlier version had @task("t.ok", concurrency=1): the row stayed, and held the type for ever
+    conn.execute(
+        "INSERT INTO concurrency_limits (job_type, queue, max_running, source, reason)"
+        " VALUES ('t.ok', '*', 1, 'task', '@task(concurrency=...)'), ('t.ok', 'bulk', 2, 'operator', 'incident')"
+    )
+    conn.commit()
+    run_burst(dsn)
+    rows = conn.execute("SELECT queue, source FROM concurrency_limits WHERE job_type = 't.ok'").fetchall()
+    assert rows == [{"queue": "bulk", "source": "operator"}]  # the operator's stays
+
+
+def test_clearing_a_limit_its_task_declares_is_refused_with_what_to_do(dsn: str, conn: db.Conn) -> None:
+    run_burst(dsn, task_modules=("tests.worker_core.tasks_contract",))  # declares t.limited's limit
+    with pytest.raises(ValueError, match="declared by its @task"):
+        ops.clear_limit(conn, "t.limited", reason="lift it")
+    assert [r["job_type"] for r in stats.limits(conn)] == ["t.limited"]  # still there: it said so

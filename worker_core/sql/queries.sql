@@ -247,7 +247,13 @@ ON CONFLICT (job_type, queue) DO UPDATE SET max_running = EXCLUDED.max_running, 
 RETURNING job_type;
 
 -- name: limit_clear
-DELETE FROM concurrency_limits WHERE job_type = %(job_type)s AND queue = %(queue)s RETURNING job_type;
+DELETE FROM concurrency_limits WHERE job_type = %(job_type)s AND queue = %(queue)s
+RETURNING job_type, source, max_running;
+
+-- name: limit_drop_from_task
+-- A worker's types whose @task no longer declares a limit: the one an earlier version declared goes (an
+-- operator's stays). During a rolling deploy the old and new workers put it back and take it away.
+DELETE FROM concurrency_limits WHERE source = 'task' AND queue = '*' AND job_type = ANY(%(job_types)s);
 
 -- name: limit_set_from_task
 -- A worker declares its @task limits; an operator's limit (source 'operator') is not overwritten.
@@ -486,12 +492,18 @@ ON CONFLICT (minute, queue, job_type) DO UPDATE SET
 -- name: burst_remaining
 -- What keeps a --burst worker alive: running jobs, ready jobs, and retries it must still drain. Counted
 -- as stats_live counts (migration 0011). Not jobs a pause or a limit of 0 holds: no worker may run them
--- (with a limit of 0 the burst waited for ever).
+-- (with a limit of 0 the burst waited for ever), as claim_solo leaves them: an expired lease held by a
+-- pause or a limit of 0 stays running, but a kill or a poison pill ends in any queue.
 SELECT (
-    SELECT count(*) FROM job_queue
-    WHERE state = 'running'
-      AND (%(all_queues)s OR queue = ANY(%(queues)s)) AND job_type = ANY(%(job_types)s)
-      AND queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
+    SELECT count(*) FROM job_queue j
+    WHERE j.state = 'running'
+      AND (%(all_queues)s OR j.queue = ANY(%(queues)s)) AND j.job_type = ANY(%(job_types)s)
+      AND (j.cancel_requested OR (j.ran_solo AND j.attempts >= j.max_attempts)
+           OR (j.queue <> ALL(ARRAY(SELECT name FROM queues WHERE paused))
+               AND (j.locked_until >= %(now)s
+                    OR NOT EXISTS (SELECT 1 FROM concurrency_limits l
+                                   WHERE l.job_type = j.job_type AND l.max_running = 0
+                                     AND l.queue IN ('*', j.queue)))))
 ) + (
     SELECT count(*) FROM job_queue j
     WHERE (j.state IN ('queued', 'retry_scheduled')) IS TRUE AND j.scheduled_at > '-infinity'
