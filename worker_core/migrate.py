@@ -16,7 +16,7 @@ from psycopg import sql
 from worker_core.db import Conn
 
 MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-#: pg_advisory_xact_lock key: "qconsole" in ASCII, as a bigint
+#: the advisory lock's key: "qconsole" in ASCII, as a bigint
 LOCK_KEY = 0x71636F6E736F6C
 
 
@@ -61,40 +61,66 @@ def applied_versions(conn: Conn) -> dict[int, str]:
 
 
 def migrate(conn: Conn, folder: Traversable | None = None) -> list[Migration]:
-    """Apply what is missing; return what was applied. A second run applies nothing."""
+    """Apply what is missing; return what was applied. A second run applies nothing.
+
+    Each migration commits by itself, under a session advisory lock held for the whole run (two processes
+    never migrate at once, and one applies everything). In one transaction, a late migration that failed
+    undid the earlier ones, and the ACCESS EXCLUSIVE locks of the first (0009-0011 drop and build indexes of
+    job_queue) were held until the last committed: every claim and every console read waited for all of
+    them. Inside a transaction of the caller's, everything goes in it (each migration in a savepoint)."""
     pending = load_migrations(folder)
-    applied: list[Migration] = []
-    fresh = conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+            return _apply(conn, pending, everything=True)
     with conn.transaction():
-        if fresh:
-            # before any statement takes a snapshot: under a repeatable-read default, the snapshot of a
-            # worker waiting for the lock below would predate the migrations the holder applies, and it
-            # would apply them again ("already exists")
-            conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
-        conn.execute(
-            """CREATE TABLE IF NOT EXISTS worker_core_migrations (
-                   version integer PRIMARY KEY,
-                   name text NOT NULL,
-                   checksum text NOT NULL,
-                   applied_at timestamptz NOT NULL DEFAULT now())"""
-        )
-        done = applied_versions(conn)
-        for mig in pending:
-            if mig.version in done:
-                if done[mig.version] != mig.checksum:
-                    raise RuntimeError(
-                        f"migration {mig.version:04d}_{mig.name} changed after it was applied; "
-                        "migrations are forward-only: add a new one instead"
-                    )
-                continue
+        conn.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))  # a session lock: it outlives this commit
+    applied: list[Migration] = []
+    try:
+        while True:
             with conn.transaction():
-                conn.execute(sql.SQL(mig.sql))  # trusted file shipped with the package
-                conn.execute(
-                    "INSERT INTO worker_core_migrations (version, name, checksum) VALUES (%s, %s, %s)",
-                    (mig.version, mig.name, mig.checksum),
+                # before any statement takes a snapshot: under a repeatable-read default, the snapshot of a
+                # process that waited for the lock would predate the migrations the holder applied, and it
+                # would apply them again ("already exists")
+                conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                step = _apply(conn, pending, everything=False)
+            if not step:
+                return applied
+            applied += step
+    finally:
+        if not conn.broken and not conn.closed:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))
+
+
+def _apply(conn: Conn, pending: list[Migration], *, everything: bool) -> list[Migration]:
+    """The missing migrations (or only the first of them), under the migration lock."""
+    conn.execute(
+        """CREATE TABLE IF NOT EXISTS worker_core_migrations (
+               version integer PRIMARY KEY,
+               name text NOT NULL,
+               checksum text NOT NULL,
+               applied_at timestamptz NOT NULL DEFAULT now())"""
+    )
+    done = applied_versions(conn)
+    applied: list[Migration] = []
+    for mig in pending:
+        if mig.version in done:
+            if done[mig.version] != mig.checksum:
+                raise RuntimeError(
+                    f"migration {mig.version:04d}_{mig.name} changed after it was applied; "
+                    "migrations are forward-only: add a new one instead"
                 )
-            applied.append(mig)
+            continue
+        with conn.transaction():
+            conn.execute(sql.SQL(mig.sql))  # trusted file shipped with the package
+            conn.execute(
+                "INSERT INTO worker_core_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                (mig.version, mig.name, mig.checksum),
+            )
+        applied.append(mig)
+        if not everything:
+            break
     return applied
 
 

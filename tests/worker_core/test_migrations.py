@@ -124,6 +124,23 @@ def test_a_new_file_is_applied_forward_and_a_failing_one_leaves_no_trace(empty_d
         assert conn.execute("SELECT max(version) AS v FROM worker_core_migrations").fetchone() == {"v": 9001}
 
 
+def test_each_migration_commits_by_itself(empty_dsn: str, tmp_path: Path) -> None:
+    # all in one transaction, a late failure undid the earlier ones, and the first's table locks were held
+    # until the last committed (every claim and console read waited for the whole upgrade)
+    folder = tmp_path / "migrations"
+    shutil.copytree(REPO_MIGRATIONS, folder)
+    with db.connect(empty_dsn) as conn:
+        migrate(conn, folder)
+        (folder / "9001_extra.sql").write_text("CREATE TABLE extra_thing (id int);\n")
+        (folder / "9002_broken.sql").write_text("SELECT 1/0;\n")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            migrate(conn, folder)
+        assert conn.execute("SELECT max(version) AS v FROM worker_core_migrations").fetchone() == {"v": 9001}
+        conn.rollback()
+        locks = "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        assert conn.execute(locks).fetchone() == {"n": 0}  # the migration lock went with the failure
+
+
 @pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
 def test_concurrent_migrate_is_serialised_by_the_advisory_lock(empty_dsn: str, isolation: str) -> None:
     # a server (or role) whose default isolation is repeatable read: the waiters' snapshots must not date
