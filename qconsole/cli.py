@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -20,7 +21,7 @@ import typer
 from qconsole import output
 from worker_core import db, ops, stats
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
-from worker_core.migrate import changed_migrations, pending_migrations
+from worker_core.migrate import changed_migrations, pending_migrations, unknown_migrations
 from worker_core.migrate import migrate as run_migrations
 from worker_core.models import ActionResult, JobState
 
@@ -85,8 +86,8 @@ def connect(
     try:
         pending = pending_migrations(conn)
         if pending:
-            if configured is None and not read_only:
-                # the embedded server is ours: bring its schema up to date
+            if configured is None and not _ROOT["read_only"]:
+                # the embedded server is ours: bring its schema up to date (a first `qconsole stats` too)
                 with db.connect(target, application_name="qconsole-migrate") as mconn:
                     run_migrations(mconn)
             else:
@@ -100,6 +101,7 @@ def connect(
             if for_workers:
                 fail(f"{why} that migrated it: its workers refuse to start", 3)
             typer.echo(f"warning: {why} that migrated it (workers of it refuse to start)", err=True)
+        _warn_if_newer(conn)
         yield conn
     finally:
         conn.close()
@@ -142,11 +144,38 @@ def parse_duration(text: str) -> float:
     return value
 
 
+def _warn_if_newer(conn: db.Conn) -> None:
+    """Said, not refused: during a rolling upgrade the new version migrates first, and the old one's workers
+    keep running on the schema (migrations only add to it)."""
+    newer = unknown_migrations(conn)
+    if newer:
+        versions = ", ".join(f"{v:04d}" for v in newer)
+        typer.echo(
+            f"warning: this database has migrations this qconsole does not know ({versions}): a newer version"
+            " migrated it; upgrade this one",
+            err=True,
+        )
+
+
+def _import_tasks(modules: Sequence[str]) -> None:
+    """The task modules, or exit 2 with why: one that does not import, or an @task the deployment's policy
+    refuses (an override without a reason)."""
+    from worker_core.policy import PolicyError
+    from worker_core.registry import import_task_modules
+
+    try:
+        import_task_modules(modules)
+    except ImportError as e:
+        fail(f"cannot import task module: {e}", 2)
+    except PolicyError as e:
+        fail(f"a task module's @task is refused: {e}", 2)
+
+
 def parse_json_object(text: str, what: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        fail(f"{what} is not valid JSON: {e}", 2)
+    except (ValueError, RecursionError) as e:  # ValueError: a decode error, or an integer of 4,300+ digits
+        fail(f"{what} is not valid JSON: {str(e) if isinstance(e, ValueError) else 'nested too deep'}", 2)
     if not isinstance(value, dict):
         fail(f"{what} must be a JSON object, not {type(value).__name__}", 2)
     return value
@@ -209,7 +238,10 @@ def demo(
 def migrate(dsn: DsnOpt = None) -> None:
     """Apply the migrations that are missing (under an advisory lock); a second run changes nothing."""
     _refuse_if_read_only("migrate")
-    target = db.resolve_dsn(_dsn(dsn))
+    try:
+        target = db.resolve_dsn(_dsn(dsn))
+    except RuntimeError as e:  # the embedded server cannot start: the message says what to do
+        fail(str(e), 3)
     try:
         with db.connect(target, application_name="qconsole-migrate") as conn:
             applied = run_migrations(conn)
@@ -224,6 +256,8 @@ def migrate(dsn: DsnOpt = None) -> None:
             typer.echo(f"applied {m.version:04d}_{m.name}")
     else:
         typer.echo("up to date")
+    with contextlib.suppress(psycopg.Error), db.connect(target, application_name="qconsole-migrate") as conn:
+        _warn_if_newer(conn)
 
 
 # ------------------------------------------------------------------------------------------------ producing
@@ -250,7 +284,6 @@ def enqueue(
 ) -> None:
     """Enqueue one job; prints its id, or `duplicate of <id>` when a live job holds the dedup key."""
     from worker_core.producer import enqueue as enqueue_job
-    from worker_core.registry import import_task_modules
 
     body = parse_json_object(payload, "--payload")
     given = {
@@ -269,14 +302,10 @@ def enqueue(
     }
     envelope: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if tasks:
-        try:
-            import_task_modules(tasks.split(","))
-        except ImportError as e:
-            fail(f"cannot import task module: {e}", 2)
-    # validate before touching the database: a bad envelope needs no connection to be refused
-    from worker_core.producer import prepare
-
-    guarded(lambda: prepare(job_type, body, envelope))
+        _import_tasks(tasks.split(","))
+    # validated by enqueue_job, under the contract the type's workers registered (read from the database),
+    # before it writes anything: checked here before connecting, the envelope was judged under the
+    # deployment's defaults, and a valid one refused (a lease shorter than the default timeout, say)
     with connect(dsn) as conn:
         _warn_if_unregistered(conn, job_type, queue)
         result = guarded(lambda: enqueue_job(conn, job_type, body, **envelope))
@@ -368,18 +397,16 @@ def worker(
     """Run a worker: claim, execute, retry, dead-letter and heal, agreeing with others only through rows."""
     from worker_core.logs import setup_logging
     from worker_core.maintenance import Retention
-    from worker_core.registry import import_task_modules
     from worker_core.supervisor import run_supervised
     from worker_core.worker import WorkerConfig, run_worker
 
     if log_format not in ("text", "json"):
         fail("--log-format must be text or json", 2)
+    if not isinstance(logging.getLevelName(log_level.upper()), int):
+        fail(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, not {log_level!r}", 2)
     setup_logging(log_format, log_level)
     modules = tuple(m.strip() for m in tasks.split(",") if m.strip())
-    try:
-        import_task_modules(modules)
-    except ImportError as e:
-        fail(f"cannot import task module: {e}", 2)
+    _import_tasks(modules)
     with connect(dsn, for_workers=True):
         pass  # reachable and migrated, by this version, before any process starts
     config = WorkerConfig(
@@ -420,7 +447,10 @@ def metrics(
 
     with connect(dsn, read_only=True):
         pass
-    serve_fleet(db.resolve_dsn(_dsn(dsn)), port, addr)
+    try:
+        serve_fleet(db.resolve_dsn(_dsn(dsn)), port, addr)
+    except OSError as e:  # the port is taken, or the address is not this host's
+        fail(f"cannot serve metrics on {addr}:{port}: {e.strerror or e}", 2)
     typer.echo(f"serving fleet metrics on http://{addr}:{port}/metrics")
     threading.Event().wait()
 

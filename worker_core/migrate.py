@@ -133,3 +133,9 @@ def changed_migrations(conn: Conn) -> list[Migration]:
     """Applied migrations whose file differs from what was applied (this code is not the schema's)."""
     done = applied_versions(conn)
     return [m for m in load_migrations() if m.version in done and done[m.version] != m.checksum]
+
+
+def unknown_migrations(conn: Conn) -> list[int]:
+    """Versions applied to this database that this code does not have: a newer version migrated it."""
+    known = {m.version for m in load_migrations()}
+    return sorted(v for v in applied_versions(conn) if v not in known)

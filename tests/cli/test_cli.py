@@ -387,3 +387,94 @@ def test_the_console_on_a_database_not_migrated_says_so_before_it_opens(
     finally:
         with psycopg.connect(admin_dsn, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def test_enqueue_judges_the_envelope_under_the_contract_the_types_workers_registered(cli: Any, dsn: str) -> None:
+    # checked before connecting, under the deployment's defaults (timeout 60): a lease of 20 s was refused
+    from worker_core.registry import Registry, Task
+    from worker_core.worker import Worker, WorkerConfig
+
+    reg = Registry()
+    reg.register(Task("r.fast", lambda ctx, payload: None, timeout=10, reason="a quick one"))
+    Worker(WorkerConfig(dsn=dsn, burst=True, poll_interval=0.05), registry=reg).run()  # publishes its contract
+    jid = cli("enqueue", "r.fast", "--visibility-timeout", "20").stdout.strip()
+    with db.connect(dsn) as c:
+        row = c.execute("SELECT timeout_seconds, visibility_timeout_seconds FROM job_queue WHERE id = %s", (jid,))
+        assert row.fetchone() == {"timeout_seconds": 10.0, "visibility_timeout_seconds": 20.0}
+    out = cli("enqueue", "r.fast", "--visibility-timeout", "12", code=2).output  # still judged: 10 + 5 > 12
+    assert "nothing was written" in out and "timeout_seconds (10" in out
+
+
+@pytest.mark.parametrize(
+    "payload", ['{"a": 1' + "9" * 5000 + "}", "[" * 30000 + "]" * 30000], ids=["huge-integer", "deep-nesting"]
+)
+def test_a_json_option_python_cannot_decode_is_bad_input(cli: Any, payload: str) -> None:
+    assert "--payload is not valid JSON" in cli("enqueue", "t.ok", "--payload", payload, code=2).output
+
+
+def test_a_task_module_whose_task_the_policy_refuses_is_bad_input(
+    cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "unreasoned_tasks.py").write_text(
+        "import worker_core\n\n"
+        "@worker_core.task('x.unreasoned', max_attempts=8)\n"
+        "def handler(ctx, payload):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for args in (("worker", "--tasks", "unreasoned_tasks", "--burst"), ("enqueue", "x.unreasoned", "--tasks",
+                                                                          "unreasoned_tasks")):  # fmt: skip
+        out = cli(*args, code=2).output  # a traceback, exit 1
+        assert "@task is refused" in out and "without a reason" in out
+
+
+def test_a_log_level_that_does_not_exist_is_bad_input(cli: Any) -> None:
+    assert "--log-level must be" in cli("worker", "--tasks", "tests.worker_core.tasks", "--log-level", "LOUD",
+                                        code=2).output  # fmt: skip
+
+
+def test_fleet_metrics_on_a_port_taken_is_bad_input(cli: Any) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert "cannot serve metrics" in cli("metrics", "--port", port, "--addr", "127.0.0.1", code=2).output
+
+
+def test_migrate_says_so_when_the_embedded_server_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("QCONSOLE_DSN", "DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("QCONSOLE_PGDATA", "/tmp/" + "x" * 120)  # too long for its socket
+    result = CliRunner().invoke(app, ["migrate"])
+    assert result.exit_code == 3 and "QCONSOLE_PGDATA" in result.output, result.output
+
+
+def test_a_database_a_newer_version_migrated_is_said(cli: Any, conn: db.Conn) -> None:
+    conn.execute("INSERT INTO worker_core_migrations (version, name, checksum) VALUES (9999, 'future', 'x')")
+    conn.commit()
+    migrated = cli("migrate").output
+    assert "up to date" in migrated and "does not know (9999)" in migrated
+    assert "does not know (9999)" in cli("jobs").output
+
+
+def test_a_read_only_command_brings_the_embedded_servers_schema_up_to_date() -> None:
+    # the README's first `qconsole stats` on a new machine said "run qconsole migrate" (exit 3)
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="qc", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k not in ("QCONSOLE_DSN", "DATABASE_URL")}
+    env.update(QCONSOLE_PGDATA=str(base / "pg"), PYTHONPATH=str(ROOT))
+    try:
+        done = subprocess.run([sys.executable, "-m", "qconsole", "stats"], env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        refused = subprocess.run([sys.executable, "-m", "qconsole", "--read-only", "stats"], env=env,
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert refused.returncode == 0, refused.stderr  # migrated already
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
