@@ -217,7 +217,11 @@ class DatabaseBackend:
 
     def overview(self) -> OverviewData:
         def read(conn: db.Conn) -> OverviewData:
-            return OverviewData(stats.overview(conn, self.clock), stats.latency_series(conn, self.clock))
+            ov = stats.overview(conn, self.clock)
+            waiting: dict[str, float] = {}
+            for t in ov.types:
+                waiting[t.queue] = max(waiting.get(t.queue, 0.0), t.oldest_waiting_seconds)
+            return OverviewData(ov, stats.latency_series(conn, self.clock, waiting=waiting))
 
         return self._call(read)
 
@@ -226,7 +230,7 @@ class DatabaseBackend:
             return ChartData(
                 retries=stats.series(conn, "retried", self.clock),
                 lease_expirations=stats.series(conn, "lease_expirations", self.clock),
-                lag=stats.latency_series(conn, self.clock),
+                lag=stats.latency_series(conn, self.clock, waiting=stats.oldest_waiting(conn, self.clock)),
                 attempts=stats.attempts_distribution(conn, self.clock),
             )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from psycopg import sql
@@ -369,11 +370,29 @@ def audit_log(conn: Conn, limit: int = 100) -> list[AuditEntry]:
     return [AuditEntry(**r) for r in conn.execute(queries["audit_list"], {"limit": limit})]
 
 
+def oldest_waiting(conn: Conn, clock: Clock = SYSTEM_CLOCK, by: str = "queue") -> dict[str, float]:
+    """The age, in seconds, of the oldest job due and waiting now, per queue (or job type)."""
+    now = clock.now()
+    out: dict[str, float] = {}
+    with conn.transaction():
+        for r in conn.execute(queries["stats_live"], {"now": now}):
+            if r["oldest_ready_at"] is not None:
+                age = max(0.0, (now - r["oldest_ready_at"]).total_seconds())
+                out[r[by]] = max(out.get(r[by], 0.0), age)
+    return out
+
+
 def latency_series(
-    conn: Conn, clock: Clock = SYSTEM_CLOCK, minutes: int = SERIES_MINUTES, by: str = "queue"
+    conn: Conn,
+    clock: Clock = SYSTEM_CLOCK,
+    minutes: int = SERIES_MINUTES,
+    by: str = "queue",
+    waiting: Mapping[str, float] | None = None,
 ) -> dict[str, list[float]]:
     """Queue latency (enqueue or due time to start), averaged per minute, in seconds, per queue (or job
-    type), oldest first, over the last ``minutes``. A minute in which nothing started is 0."""
+    type), oldest first, over the last ``minutes``. A minute in which nothing started is 0; ``waiting``
+    (oldest_waiting) raises the last minute to the age of the oldest job waiting now: else a queue from
+    which nothing starts (its workers dead, say) read 0 exactly when its lag was worst."""
     if by not in ("queue", "job_type"):
         raise ValueError(f"cannot group latency by {by!r}")
     start = _ago(clock.now(), minutes)
@@ -385,7 +404,11 @@ def latency_series(
             if 0 <= i < minutes:
                 sums[r[by]][i] += r["latency_ms_sum"]
                 counts[r[by]][i] += r["started"]
-    return {key: [s / c / 1000.0 if c else 0.0 for s, c in zip(sums[key], counts[key], strict=True)] for key in sums}
+    out = {key: [s / c / 1000.0 if c else 0.0 for s, c in zip(sums[key], counts[key], strict=True)] for key in sums}
+    for key, age in (waiting or {}).items():
+        series = out.setdefault(key, [0.0] * minutes)
+        series[-1] = max(series[-1], age)
+    return out
 
 
 def attempts_distribution(

@@ -8,12 +8,13 @@ from typing import Any
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
 from qconsole.backend import ConsoleBackend, ContractsData
 from qconsole.screens.base import ConsoleScreen
 from qconsole.widgets import fmt
-from qconsole.widgets.table import LiveTable, cell
+from qconsole.widgets.table import LiveTable, cell, opening_table
 from worker_core.models import TypeContract
 
 COLUMNS = [
@@ -52,13 +53,18 @@ class ContractsScreen(ConsoleScreen):
         "comes from: none = the deployment's default, ᵠ = its queue, ᵗ = the type's own @task (with a reason)."
     )
 
+    BINDINGS = [Binding("enter", "open", "Its jobs", show=False)]  # for the help screen: the table's is shown
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.data = ContractsData()
 
+    def action_open(self) -> None:
+        self.query_one(LiveTable).action_select_cursor()
+
     def compose_body(self) -> ComposeResult:
         yield Static(id="contracts-summary", classes="summary")
-        yield LiveTable(COLUMNS, id="contracts-table")
+        yield opening_table("Its jobs")(COLUMNS, id="contracts-table")
         yield Static(id="contracts-detail", classes="detail")
 
     def on_mount(self) -> None:

@@ -64,6 +64,11 @@ class DeadLettersScreen(ConsoleScreen):
         super().__init__(**kwargs)
         self.groups: list[DeadLetterGroup] = []
         self.marked: set[str] = set()
+        #: the groups marked are all gone (acted on elsewhere): r/K act on nothing until a group is marked
+        #: again, never on the cursor's group in their place
+        self.marks_gone = False
+        #: the jobs of the groups are being fetched before the question: a second r/K asks nothing more
+        self.fetching = False
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="dl-summary", classes="summary")
@@ -79,7 +84,16 @@ class DeadLettersScreen(ConsoleScreen):
     def show(self, data: list[DeadLetterGroup]) -> None:
         self.groups = data
         keys = {group_key(g) for g in data}
-        self.marked &= keys
+        gone = self.marked - keys
+        if gone:
+            self.marked &= keys
+            self.marks_gone = not self.marked
+            left = f"{len(self.marked)} still marked" if self.marked else "r/K act on nothing until you mark again"
+            self.notify(
+                f"{len(gone)} marked group(s) are gone (requeued, killed or pruned elsewhere): {left}.",
+                severity="warning",
+                markup=False,
+            )
         self._paint()
 
     def _paint(self) -> None:
@@ -162,6 +176,7 @@ class DeadLettersScreen(ConsoleScreen):
             return
         key = group_key(g)
         self.marked ^= {key}
+        self.marks_gone = False
         self._paint()
         table = self.query_one(LiveTable)
         if table.cursor_row < table.row_count - 1:
@@ -169,6 +184,7 @@ class DeadLettersScreen(ConsoleScreen):
 
     def after_action(self, result: ActionResult) -> None:
         self.marked.clear()
+        self.marks_gone = False
 
     def _describe(self, groups: list[DeadLetterGroup]) -> str:
         lines = [f"{g.count:>6}  " + fmt.clip(f"{g.job_type}: {g.fingerprint}", 50) for g in groups[:5]]
@@ -177,6 +193,15 @@ class DeadLettersScreen(ConsoleScreen):
         return "\n".join(lines)
 
     def _run_on_groups(self, name: str, allowed: set[str], verb: str, why_not: str, outcome: str) -> None:
+        if self.fetching:
+            return  # the first press's question is on its way
+        if self.marks_gone and not self.marked:
+            self.notify(
+                f"The group(s) you marked are gone: nothing to {name}. Mark again with space.",
+                severity="warning",
+                markup=False,
+            )
+            return
         targets = self.targets()
         if not targets:
             self.notify("No group under the cursor.", severity="warning")
@@ -192,6 +217,7 @@ class DeadLettersScreen(ConsoleScreen):
             return
         # the jobs are fetched before the question, which names exactly them: a job that joins a group while
         # the operator reads it is not acted on unasked
+        self.fetching = True
         self._fetch_then_ask(name, ok, verb, details)
 
     @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="dead letters: the jobs of the groups")
@@ -199,11 +225,13 @@ class DeadLettersScreen(ConsoleScreen):
         try:
             ids = list(dict.fromkeys(i for g in groups for i in self.qapp.backend.group_job_ids(g)))
         except Exception as e:
+            self.fetching = False
             self.post_message(ActionFailed(name, describe_error(e)))
             return
         self.app.call_from_thread(self._ask, name, groups, verb, details, ids)
 
     def _ask(self, name: str, groups: list[DeadLetterGroup], verb: str, details: str, ids: list[Any]) -> None:
+        self.fetching = False  # from here the question is on the screen: it takes the keys
         def run(backend: ConsoleBackend) -> ActionResult:
             return backend.requeue(ids) if name == "requeue" else backend.kill(ids)
 

@@ -17,7 +17,7 @@ from textual.widgets import DataTable, Input, Select, Static
 from qconsole.backend import ConsoleBackend
 from qconsole.screens.base import ConsoleScreen
 from qconsole.widgets import fmt
-from qconsole.widgets.table import LiveTable, cell
+from qconsole.widgets.table import LiveTable, cell, opening_table
 from worker_core.models import Job, JobState
 
 LIMIT = 200
@@ -55,7 +55,7 @@ class JobsScreen(ConsoleScreen):
 
     BINDINGS = [
         Binding("slash", "search", "Search", key_display="/"),
-        Binding("enter", "open", "Open job"),
+        Binding("enter", "open", "Open job", show=False),  # for the help screen: the table's is shown
         Binding("escape", "leave_filters", "Table", show=False),
     ]
 
@@ -77,7 +77,7 @@ class JobsScreen(ConsoleScreen):
             yield Select([], prompt="any queue", id="f-queue", compact=True)
             yield Input(placeholder="/ id, key or error text", id="f-search", compact=True)
         yield Static(id="jobs-status", classes="summary")
-        yield LiveTable(COLUMNS, id="jobs-table")
+        yield opening_table("Open job")(COLUMNS, id="jobs-table")
 
     def on_mount(self) -> None:
         self.query_one("#f-search", Input).cursor_blink = self.qapp.cursor_blink

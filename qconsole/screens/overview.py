@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Label, Sparkline, Static
 from qconsole.backend import ConsoleBackend, OverviewData
 from qconsole.screens.base import ConsoleScreen
 from qconsole.widgets import fmt
-from qconsole.widgets.table import LiveTable, cell
+from qconsole.widgets.table import LiveTable, cell, opening_table
 from worker_core.models import TypeStats
 
 COLUMNS = [
@@ -44,7 +44,8 @@ class OverviewScreen(ConsoleScreen):
 
     BINDINGS = [
         Binding("p", "toggle_pause", "Pause/resume", tooltip="Pause or resume the queue under the cursor"),
-        Binding("enter", "drill", "Its jobs", tooltip="Open the jobs of the row under the cursor"),
+        # for the help screen; the footer shows the table's (opening_table)
+        Binding("enter", "drill", "Its jobs", show=False),
     ]
 
     def __init__(self, **kwargs: Any) -> None:
@@ -53,7 +54,7 @@ class OverviewScreen(ConsoleScreen):
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="ov-summary", classes="summary")
-        yield LiveTable(COLUMNS, id="ov-table")
+        yield opening_table("Its jobs")(COLUMNS, id="ov-table")
         with Vertical(id="ov-detail"):
             yield Static(id="ov-detail-title", classes="detail-title")
             with Horizontal(classes="spark-row"):
@@ -101,7 +102,7 @@ class OverviewScreen(ConsoleScreen):
                         cell(fmt.WARN if bad else fmt.OK, style=st),
                         cell(queue, style=st),
                         cell(fmt.clip(t.job_type, 30 if wide else 16), style=st),
-                        cell(fmt.count(t.waiting), right=True),
+                        cell(fmt.count(t.queued), right=True),  # retrying ones have their own column
                         cell(fmt.count(t.running), right=True),
                         cell(fmt.count(t.retry_scheduled), right=True),
                         cell(fmt.count(t.failed), right=True),

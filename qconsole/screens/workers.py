@@ -51,6 +51,8 @@ class WorkersScreen(ConsoleScreen):
         self.db_workers: list[WorkerInfo] = []
         self.embedded: list[EmbeddedWorker] = []
         self._log_state: tuple[Any, ...] = ()
+        #: the embedded worker whose output the pane shows
+        self._log_number: int | None = None
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="wk-summary", classes="summary")
@@ -164,8 +166,19 @@ class WorkersScreen(ConsoleScreen):
         if e.log_path is not None:
             head.append(f" │ {e.log_path}")
         title.update(head)
+        # at its end (or another worker's output): it stays at the end, where a crash's last words are.
+        # Log.write_lines follows only a log already at its end, and after clear() none is (its scroll
+        # offset outlives its lines): the pane stayed on lines minutes old
+        follow = log.is_vertical_scroll_end or log.line_count == 0 or self._log_number != e.number
+        self._log_number = e.number
+        y = log.scroll_y
+        log.auto_scroll = False  # a reader who scrolled up stays where they read
         log.clear()
         log.write_lines(lines)
+        if follow:
+            log.scroll_end(animate=False, immediate=True, x_axis=False)
+        else:
+            log.scroll_to(y=y, animate=False, immediate=True)
 
     # ---------------------------------------------------------------- actions
 

@@ -24,7 +24,9 @@ def cell(value: Any, *, right: bool = False, style: str | Style = "") -> Text:
 class LiveTable(DataTable[Any]):
     """A row-cursor table whose columns have one space of gutter and whose rows are swapped on refresh."""
 
-    BINDINGS = [Binding("enter", "select_cursor", "Open")]
+    # not in the footer: a table whose rows open something says what (opening_table); on the workers and
+    # audit screens "⏎ Open" was shown, and did nothing
+    BINDINGS = [Binding("enter", "select_cursor", "Open", show=False)]
 
     DEFAULT_CSS = """
     LiveTable {
@@ -89,3 +91,9 @@ class LiveTable(DataTable[Any]):
         except Exception:
             return
         self.move_cursor(row=index)
+
+
+def opening_table(label: str) -> type[LiveTable]:
+    """A LiveTable whose rows open something (its screen handles RowSelected), named by ``label`` in the
+    footer. The table's own binding is the one shown: a screen's binding of enter is shadowed by it."""
+    return type("LiveTable", (LiveTable,), {"BINDINGS": [Binding("enter", "select_cursor", label)]})

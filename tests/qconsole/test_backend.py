@@ -52,6 +52,22 @@ def test_latency_series_averages_per_minute(conn: db.Conn) -> None:
         stats.latency_series(conn, by="tenant")
 
 
+def test_the_lag_series_ends_at_the_oldest_waiting_job_when_nothing_starts(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
+    # every worker of the queue dead: nothing starts, and the lag chart read 0 ("now 0s") next to 8 minutes
+    jid = make_job("t.ok", {}, queue="mail")
+    conn.execute("UPDATE job_queue SET scheduled_at = now() - interval '8 minutes' WHERE id = %s", (jid,))
+    conn.commit()
+    backend = DatabaseBackend(dsn)
+    try:
+        for lag in (backend.overview().lag, backend.charts().lag):
+            assert lag["mail"][-1] == pytest.approx(480, abs=30)
+            assert lag["mail"][:-1] == [0.0] * (stats.SERIES_MINUTES - 1)
+    finally:
+        backend.close()
+
+
 def test_attempts_distribution_counts_finished_jobs(dsn: str, conn: db.Conn, make_job: Any) -> None:
     ok = [make_job("t.ok", {}) for _ in range(3)]
     flaky = [make_job("t.flaky", {"fail_times": 2}) for _ in range(2)]

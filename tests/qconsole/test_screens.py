@@ -1,0 +1,162 @@
+"""Screen logic over the fake backend (fixed data, recorded actions): what an operator's keys do."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from textual.pilot import Pilot
+from textual.widgets import Log
+
+from qconsole.screens.confirm import ConfirmScreen
+from qconsole.screens.dead_letters import DeadLettersScreen, group_key
+from qconsole.screens.workers import WorkersScreen
+from tests.qconsole.conftest import FakeBackend, FakeLauncher, fake_app
+from worker_core.models import DeadLetterGroup
+
+SIZE = (80, 24)
+
+
+def run_async(coro: Coroutine[Any, Any, None]) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+async def settle(pilot: Pilot[Any]) -> None:
+    for _ in range(2):
+        await pilot.app.workers.wait_for_complete()
+        await pilot.pause()
+
+
+async def until(pilot: Pilot[Any], condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await pilot.pause(0.05)
+
+
+def test_the_output_pane_follows_an_embedded_workers_output_as_it_grows() -> None:
+    # Log.write_lines follows only a log at its end, and after clear() none was: once opened on a short
+    # output, the pane stayed on old lines, and the crash's last words were never in view
+    launcher = FakeLauncher()
+    w = launcher.workers()[0]
+    for i in range(30):
+        w.output.append(f"early line {i}")
+    app = fake_app(launcher=launcher)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("w")
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, WorkersScreen) and screen.selected_embedded() is w
+            for i in range(150):
+                w.output.append(f"later line {i}")
+            w.output.append("[exited with code 13: crashed]")
+            screen._paint_log()
+            await settle(pilot)
+            log = screen.query_one("#wk-log", Log)
+            assert log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
+            # read up: a new line does not take the reader back down
+            log.scroll_to(y=0, animate=False, immediate=True)
+            w.output.append("one more")
+            screen._paint_log()
+            await settle(pilot)
+            assert log.scroll_y == 0
+
+    run_async(scenario())
+
+
+class SlowGroupJobs(FakeBackend):
+    """Fetching a group's jobs takes a while, as over a slow link or for a large group."""
+
+    def group_job_ids(self, group: DeadLetterGroup) -> list[uuid.UUID]:
+        time.sleep(0.5)
+        return super().group_job_ids(group)
+
+
+def test_a_second_r_while_the_groups_jobs_are_fetched_asks_nothing_more() -> None:
+    # two questions stacked, and two requeues of the same jobs: a fast-failing group ran once more
+    backend = SlowGroupJobs()
+    app = fake_app(backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("d")
+            await settle(pilot)
+            await pilot.press("r", "r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await pilot.press("y")
+            await settle(pilot)
+            await pilot.pause(0.7)  # a second question would be up by now
+            await settle(pilot)
+            assert not isinstance(app.screen, ConfirmScreen)
+
+    run_async(scenario())
+    assert [name for name, _ in backend.calls if name == "requeue"] == ["requeue"]
+
+
+class VanishingGroups(FakeBackend):
+    """Groups named in ``gone`` were acted on elsewhere (the CLI, another console)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gone: set[str] = set()
+
+    def dead_letter_groups(self) -> list[DeadLetterGroup]:
+        return [g for g in super().dead_letter_groups() if group_key(g) not in self.gone]
+
+
+def test_marks_that_vanish_on_refresh_never_hand_the_action_to_the_cursors_group() -> None:
+    backend = VanishingGroups()
+    app = fake_app(backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("d")
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, DeadLettersScreen)
+            marked = screen.current()
+            assert marked is not None
+            await pilot.press("space")  # marks it, the cursor moves down to read the next
+            assert screen.marked == {group_key(marked)}
+            backend.gone.add(group_key(marked))  # requeued from the CLI meanwhile
+            screen.reload()
+            await settle(pilot)
+            assert screen.marked == set() and screen.current() is not None
+            await pilot.press("r")
+            await settle(pilot)
+            assert not isinstance(app.screen, ConfirmScreen)  # before: "Requeue 2 job(s)" of the cursor's group
+            await pilot.press("space", "r")  # marking again: the operator chose
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+
+    run_async(scenario())
+    assert not [name for name, _ in backend.calls if name == "requeue"]
+
+
+def test_the_overviews_wait_column_counts_the_queued_jobs_and_rtry_the_retrying_ones() -> None:
+    # "wait" was queued + retry_scheduled next to "rtry": 41 + 12 read as 53 + 12 (the CLI said queued 41)
+    from qconsole.screens.overview import OverviewScreen
+    from qconsole.widgets.table import LiveTable
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            row = screen.query_one(LiveTable).get_row("default\x1femail.send")
+            assert (str(row[3]).strip(), str(row[5]).strip()) == ("41", "12")
+
+    run_async(scenario())
