@@ -132,6 +132,8 @@ class Job:
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
     updated_at: dt.datetime
+    #: the dedup key a kill released while the job ran (a requeue restores it)
+    released_dedup_key: str | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Job:

@@ -170,7 +170,8 @@ class JobDetailScreen(ConsoleScreen):
                     ("type / queue", f"{job.job_type} / {job.queue}"),
                     ("priority", job.priority),
                     ("idempotency key", job.idempotency_key),
-                    ("dedup key", job.dedup_key),
+                    ("dedup key", job.dedup_key or (job.released_dedup_key and
+                                                   f"{job.released_dedup_key} (released by the kill)")),
                     ("lock key", job.lock_key),
                     ("timeout", f"{job.timeout_seconds:g}s, lease {job.visibility_timeout_seconds:g}s"),
                     ("retry policy", " ".join(f"{k}={v}" for k, v in sorted(rp.items())) or "-"),

@@ -577,3 +577,23 @@ def test_a_kill_of_waiting_jobs_is_counted_as_cancelled(conn: db.Conn) -> None:
     conn.commit()
     assert len(ops.kill(conn, ids, actor=ops.Actor("oncall")).changed) == 4
     assert {t.job_type: t.cancelled for t in stats.overview(conn).types}["t.ok"] == 4
+
+
+def test_a_killed_running_job_gives_up_its_dedup_key_and_a_requeue_gives_it_back(conn: db.Conn) -> None:
+    # until its worker saw the kill, an equivalent message collapsed into the doomed job and was lost
+    doomed = enqueue(conn, "t.ok", {}, dedup_key="nightly:2026-11-30").id
+    conn.execute("UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'w' WHERE id = %s", (doomed,))
+    assert ops.kill(conn, [doomed], actor=ops.Actor("oncall")).changed == [doomed]
+    again = enqueue(conn, "t.ok", {}, dedup_key="nightly:2026-11-30")
+    assert again.created and again.id != doomed
+    job = stats.get_job(conn, doomed)
+    assert (job.dedup_key, job.released_dedup_key) == (None, "nightly:2026-11-30")
+    # its worker ends it: cancelled. A requeue while the new one lives is refused, and says why
+    conn.execute("UPDATE job_queue SET state = 'cancelled', finished_at = now() WHERE id = %s", (doomed,))
+    refused = ops.requeue(conn, [doomed], actor=ops.Actor("oncall"))
+    assert refused.why_skipped == {doomed: "a live job (or a newer requeued one) holds its dedup key"}
+    conn.execute("UPDATE job_queue SET state = 'succeeded', finished_at = now() WHERE id = %s", (again.id,))
+    assert ops.requeue(conn, [doomed], actor=ops.Actor("oncall")).changed == [doomed]
+    job = stats.get_job(conn, doomed)
+    assert (job.state, job.dedup_key, job.released_dedup_key) == (JobState.QUEUED, "nightly:2026-11-30", None)
+    assert not enqueue(conn, "t.ok", {}, dedup_key="nightly:2026-11-30").created  # it holds the key again

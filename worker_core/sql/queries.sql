@@ -685,12 +685,13 @@ SELECT current_setting('transaction_read_only') = 'on' AS ro;
 -- Back to queued with a fresh budget. The history stays (attempts keep counting, so fencing stays
 -- unique); a live job holding the same dedup key wins, and this one is skipped. Of several requeued at
 -- once under one dedup key (dead runs of a periodic job), only the latest becomes live again.
+-- A job killed while running gets back the dedup key the kill released (migration 0015).
 WITH locked AS MATERIALIZED (
-    SELECT id, payload, dedup_key, created_at FROM job_queue
+    SELECT id, payload, coalesce(dedup_key, released_dedup_key) AS dedup_key, created_at FROM job_queue
     WHERE id = ANY(%(ids)s) AND state IN ('dead_lettered', 'failed', 'cancelled')
     FOR UPDATE
 ), old AS (
-    SELECT id, payload,
+    SELECT id, payload, dedup_key,
            dedup_key IS NULL OR row_number() OVER (PARTITION BY dedup_key ORDER BY created_at DESC, id) = 1
                AS first_of_key
     FROM locked
@@ -698,16 +699,17 @@ WITH locked AS MATERIALIZED (
 UPDATE job_queue j SET
     state = 'queued', max_attempts = j.attempts + %(budget)s, scheduled_at = %(now)s, finished_at = NULL,
     locked_until = NULL, cancel_requested = false, suspect = false, updated_at = %(now)s,
-    payload = coalesce(%(payload)s::jsonb, j.payload)
+    payload = coalesce(%(payload)s::jsonb, j.payload), dedup_key = old.dedup_key, released_dedup_key = NULL
 FROM old
 WHERE j.id = old.id AND j.state IN ('dead_lettered', 'failed', 'cancelled') AND old.first_of_key
-  AND (j.dedup_key IS NULL OR NOT EXISTS (
+  AND (old.dedup_key IS NULL OR NOT EXISTS (
         SELECT 1 FROM job_queue l
-        WHERE l.dedup_key = j.dedup_key AND l.state IN ('queued', 'running', 'retry_scheduled')))
+        WHERE l.dedup_key = old.dedup_key AND l.state IN ('queued', 'running', 'retry_scheduled')))
 RETURNING j.id, j.queue, j.max_attempts - j.attempts AS budget, old.payload AS old_payload;
 
 -- name: jobs_state_and_dedup
-SELECT id, state, dedup_key, cancel_requested FROM job_queue WHERE id = ANY(%(ids)s);
+SELECT id, state, coalesce(dedup_key, released_dedup_key) AS dedup_key, cancel_requested FROM job_queue
+WHERE id = ANY(%(ids)s);
 
 -- name: kill_jobs
 -- Waiting jobs are cancelled now; a running job is flagged, and its worker cancels it within a heartbeat.
@@ -723,6 +725,11 @@ UPDATE job_queue SET
         'attempt', attempts, 'kind', 'cancelled', 'class', 'Killed', 'message', %(message)s::text,
         'worker', NULL, 'at', %(now)s)) END,
     last_error = CASE WHEN state = 'running' THEN last_error ELSE 'Killed: ' || %(message)s::text END,
+    -- a running one gives its dedup key up now (migration 0015): an equivalent message enqueued before its
+    -- worker sees the kill is a new job, not one collapsed into the doomed one. A waiting one leaves the
+    -- unique index's predicate as it is cancelled
+    dedup_key = CASE WHEN state = 'running' THEN NULL ELSE dedup_key END,
+    released_dedup_key = CASE WHEN state = 'running' THEN dedup_key ELSE released_dedup_key END,
     updated_at = %(now)s
 WHERE id = ANY(%(ids)s)
   AND (state IN ('queued', 'retry_scheduled') OR (state = 'running' AND NOT cancel_requested))
