@@ -229,7 +229,9 @@ class HandlerFailure(Exception):
     """Wraps whatever a handler raised (BaseException included) so it never unwinds the worker."""
 
     def __init__(self, exc: BaseException) -> None:
-        super().__init__(repr(exc))
+        # never repr(exc): an argument whose __repr__ raises (an ORM object of a closed session) made this
+        # raise, and the job went round its group uncharged for ever. Its message is read, safely, later
+        super().__init__(type(exc).__name__)
         self.exc = exc
 
 
@@ -295,10 +297,29 @@ def _notice_end(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> None:
 
 def _refuse_abandoned(conn: Any) -> None:
     """A statement of a handler whose slot thread was given up (Worker._abandon) never reaches the server:
-    its transaction was ended there (Slot.end_abandoned_backends), and this holds even when that failed."""
+    its transaction was ended there (Slot.end_abandoned_backends), and this holds even when that failed.
+    Every statement of ctx.tx passes here: a handler's marks the session for a reset (Slot._reset_session)."""
     slot = getattr(conn, "slot", None)
     if slot is not None and slot.abandoned:
         raise psycopg.OperationalError(ABANDONED)
+    if slot is not None and slot.handler_running:
+        conn.handler_used = conn.handler_used_in_tx = True
+
+
+#: what a handler may have left in the slot's session through ctx.tx, undone before the next job uses it: a
+#: plain SET (a search_path, a statement_timeout, a role), a temporary table, a session advisory lock, a
+#: LISTEN, a cursor WITH HOLD. Left, one tenant's search_path sent the next job's writes to that tenant's
+#: schema, one job's statement_timeout failed another type's queries, a temp table failed the next run of
+#: its own type. Its prepared statements stay (psycopg's, the worker's, are among them). The last statement
+#: sets the slot's idle limit again (_bound_idle), which RESET ALL took away.
+_RESET_SESSION = (
+    b"SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; SET SESSION AUTHORIZATION DEFAULT; RESET ALL;"
+    b" DISCARD TEMP; SET idle_in_transaction_session_timeout = %d"
+)
+#: between two jobs of a group (one transaction), before the next one's savepoint, in its round trip: the
+#: settings and temporary tables (a few microseconds of the server's); the rest waits for the transaction's
+#: end (_RESET_SESSION)
+_RESET_IN_GROUP = b"RESET ALL; RESET ROLE; DISCARD TEMP; SET idle_in_transaction_session_timeout = %d; "
 
 
 def _refuse(slot: Slot | None, what: str) -> None:
@@ -509,6 +530,10 @@ class JobConnection(psycopg.Connection[dict[str, Any]]):
     backend_pid = 0
     #: its idle_in_transaction_session_timeout, as Slot._bound_idle set it (0: none)
     idle_bound_ms = 0
+    #: a handler sent statements through it since its session was last reset (Slot._reset_session), since
+    #: its settings were last reset in a group's transaction (Slot._in_group_reset)
+    handler_used = False
+    handler_used_in_tx = False
 
     def commit(self) -> None:
         _refuse(self.slot, "commit")
@@ -581,6 +606,8 @@ class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
     slot: Slot | None = None
     backend_pid = 0
     idle_bound_ms = 0
+    handler_used = False
+    handler_used_in_tx = False
 
     async def commit(self) -> None:
         _refuse(self.slot, "commit")
@@ -694,11 +721,39 @@ class Slot:
             if self.abandoned:  # while it connected: nothing of it may reach the server through it
                 raise psycopg.OperationalError(ABANDONED)
         conn = self._conn
+        if conn.handler_used:  # between transactions only: before a job's first statement
+            self._reset_session(conn)
         if self.idle_bound_ms > conn.idle_bound_ms:
             self._bound_idle(conn)
         if self._in_group:
             self._pinned = conn
         return conn
+
+    def _flush_before_suspect(self) -> None:
+        """A job that runs alone may be the one that kills its process (a poison pill): what was counted so
+        far, its lease expiration and this start among them, is written before it runs. Counted in memory
+        until the next beat, they died with the process: a poison pill read one lease expiration whatever
+        its attempts, and no start. Best effort: a failure keeps the counts for the beat."""
+        conn = self.conn
+        if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            with contextlib.suppress(psycopg.Error):
+                self.w.metrics.flush(conn)
+
+    def _reset_session(self, conn: JobConnection | AsyncJobConnection) -> None:
+        """Between jobs: what the last handler left in the session goes (_RESET_SESSION). One round trip, only
+        after a job whose handler used ctx.tx; between transactions only (in one, a rollback would undo it)."""
+        if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            return
+        self._exec(_RESET_SESSION % conn.idle_bound_ms, psycopg.pq.ExecStatus.COMMAND_OK, conn)
+        conn.handler_used = conn.handler_used_in_tx = False
+
+    def _in_group_reset(self, conn: JobConnection) -> bytes:
+        """What goes before a grouped job's savepoint: the last job's settings and temporary tables undone
+        (a plain SET outlives the savepoint of a job that succeeded), if its handler used ctx.tx."""
+        if not conn.handler_used_in_tx or conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+            return b""
+        conn.handler_used_in_tx = False
+        return _RESET_IN_GROUP % conn.idle_bound_ms
 
     #: how long the transaction of the jobs this slot runs now may stay idle (ms): see _bound_idle
     idle_bound_ms = 0
@@ -846,6 +901,8 @@ class Slot:
                 return  # not an attempt (it is given back): not counted as started
             ex.lock = (job["lock_key"], token)
         w.metrics.add_many(job["queue"], job["job_type"], started)
+        if job["ran_solo"]:
+            self._flush_before_suspect()
         t0 = ex.started = time.monotonic()
         try:
             if task.is_async:
@@ -1182,7 +1239,7 @@ class Slot:
             },
         )
         begin = b"BEGIN; " if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE else b""
-        sql = begin + b"SAVEPOINT " + savepoint + b"; " + record
+        sql = begin + self._in_group_reset(cast(JobConnection, conn)) + b"SAVEPOINT " + savepoint + b"; " + record
         return self._raw(sql, psycopg.pq.ExecStatus.TUPLES_OK) == 1
 
     def _run_grouped(self, ex: Execution, group: Group, n: int) -> None:
@@ -1213,7 +1270,7 @@ class Slot:
                 if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
                     self._raw(b"BEGIN; SAVEPOINT " + savepoint)
                 else:
-                    self._raw(b"SAVEPOINT " + savepoint)
+                    self._raw(self._in_group_reset(cast(JobConnection, conn)) + b"SAVEPOINT " + savepoint)
                 opened = True
 
         try:
@@ -1536,6 +1593,8 @@ class Slot:
             cast(AsyncJobConnection, opened).backend_pid = opened.info.backend_pid
             self._aconn = opened
         aconn = self._aconn
+        if cast(AsyncJobConnection, aconn).handler_used:
+            self._reset_session(cast(AsyncJobConnection, aconn))
         if self.idle_bound_ms > cast(AsyncJobConnection, aconn).idle_bound_ms:
             self._bound_idle(cast(AsyncJobConnection, aconn))
         job, ctx = ex.job, ex.ctx
@@ -1666,6 +1725,8 @@ class Slot:
                 ex.ctx.logger.warning("lost its lock %s while running: rolled back, again in %.1fs", ex.job["lock_key"],
                                       delay)  # fmt: skip
                 self.w.metrics.add(ex.job["queue"], ex.job["job_type"], "lock_contention")
+                # a --burst worker waits for it, as for a contended one: it is due again in a moment
+                self.w._burst_hold_until = max(self.w._burst_hold_until, time.monotonic() + delay)
                 self.release(ex, delay)
                 return
         self.settle_failure(ex, exc)

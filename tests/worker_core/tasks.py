@@ -544,3 +544,54 @@ async def sync_runs_async(ctx: JobContext, payload: dict[str, Any]) -> None:
     ctx.tx.execute(  # the sync connection: this handler is sync
         "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)", (ctx.job_id, payload["item"], ctx.attempt)
     )
+
+
+_DIRTY = (
+    "SET search_path TO dirty_tenant, public",
+    "SET statement_timeout = '150ms'",
+    "CREATE TEMP TABLE staging (i int)",
+    "SELECT pg_advisory_lock(4242)",
+)
+_PROBE = (
+    "INSERT INTO public.ledger (job_id, item, attempt) SELECT %s, concat_ws('|', current_setting('search_path'),"
+    " current_setting('statement_timeout'), to_regclass('pg_temp.staging') IS NULL, (SELECT count(*) FROM"
+    " pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())), %s"
+)
+
+
+@worker_core.task("t.dirty_session", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
+def dirty_session(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Leaves its session changed: a search_path, a statement_timeout, a temp table, an advisory lock."""
+    for statement in _DIRTY:
+        ctx.tx.execute(statement)
+
+
+@worker_core.task("t.session_probe", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
+def session_probe(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes what it finds of its session to the ledger: search_path|statement_timeout|no temp table|locks."""
+    ctx.tx.execute(_PROBE, (ctx.job_id, ctx.attempt))
+
+
+@worker_core.task("t.async_dirty_session", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
+async def async_dirty_session(ctx: JobContext, payload: dict[str, Any]) -> None:
+    for statement in _DIRTY:
+        await ctx.tx.execute(statement)
+
+
+@worker_core.task("t.async_session_probe", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
+async def async_session_probe(ctx: JobContext, payload: dict[str, Any]) -> None:
+    await ctx.tx.execute(_PROBE, (ctx.job_id, ctx.attempt))
+
+
+class _Detached:
+    """An ORM object of a closed session: reading it raises."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("DetachedInstanceError: the session is closed")
+
+    __str__ = __repr__
+
+
+@worker_core.task("t.bad_repr", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
+def bad_repr(ctx: JobContext, payload: dict[str, Any]) -> None:
+    raise ValueError(_Detached())

@@ -367,3 +367,47 @@ def test_a_job_with_a_lock_key_that_breaks_its_own_transaction_is_charged_not_lo
     run_burst(dsn, group_max=1, timeout=60)
     assert (state(dsn, j), job(dsn, j)["attempts"]) == ("dead_lettered", 3)
     assert {e["class"] for e in job(dsn, j)["errors"]} == {"ReadOnlySqlTransaction"}
+
+
+@pytest.mark.parametrize(
+    "dirty, probe, group_max",
+    [
+        ("t.dirty_session", "t.session_probe", 1),
+        ("t.dirty_session", "t.session_probe", 32),
+        ("t.async_dirty_session", "t.async_session_probe", 32),
+    ],
+    ids=["alone", "grouped", "async"],
+)
+def test_what_a_handler_leaves_in_its_session_is_gone_before_the_next_job(
+    dsn: str, conn: db.Conn, dirty: str, probe: str, group_max: int
+) -> None:
+    # a slot keeps its connection from job to job: one tenant's search_path sent the next job's writes to that
+    # tenant's schema, a statement_timeout failed another type's queries, a temp table the next run of its type
+    conn.execute("CREATE SCHEMA dirty_tenant")
+    first = enqueue(conn, dirty, {}, priority=0).id
+    then = enqueue(conn, probe, {}, priority=5).id
+    conn.commit()
+    wt = WorkerThread(dsn, concurrency=1, group_max=group_max)
+    for t in (dirty, probe):
+        wt.worker.observe_handler(t, 0.001)  # measured fast: the two go in one group (one transaction)
+    assert wt.start().join(60) == 0
+    assert (state(dsn, first), state(dsn, then)) == ("succeeded", "succeeded")
+    if group_max > 1 and "async" not in dirty:
+        assert wt.worker.groups == 1
+    [found] = [r["item"] for r in ledger(dsn)]
+    search_path, timeout, no_temp_table, locks = found.split("|")
+    assert (search_path, timeout, no_temp_table) == ('"$user", public', "0", "t")
+    if group_max == 1 or "async" in dirty:  # in a group the advisory lock goes with the group's transaction
+        assert locks == "0"
+
+
+@pytest.mark.parametrize("group_max", [1, 32], ids=["alone", "grouped"])
+def test_an_exception_that_cannot_be_read_still_fails_its_job(dsn: str, conn: db.Conn, group_max: int) -> None:
+    # repr() of the exception raised: grouped, the job went round uncharged for ever; alone, it waited for its
+    # lease to run out and was taken for a worker that died
+    bad = enqueue(conn, "t.bad_repr", {}).id
+    conn.commit()
+    run_burst(dsn, group_max=group_max, timeout=30)
+    row = job(dsn, bad)
+    assert (row["state"], row["attempts"], row["lease_expirations"]) == ("dead_lettered", 2, 0)
+    assert row["errors"][0]["class"] == "ValueError"
