@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from qconsole.widgets.fmt import duration, printable
+from qconsole.widgets.fmt import duration, elapsed, printable
 from worker_core.models import (
     ActionResult,
     AuditEntry,
@@ -103,7 +103,7 @@ def overview(ov: Overview, as_json: bool) -> None:
         return
     t = Table(
         "queue", "type", "queued", "running", "retry", "failed", "dead", "lag", "ok/min", "dlq/min", "lease exp/min",
-        "retries", box=None, pad_edge=False, title=f"last {ov.window_minutes} min",
+        "retries", "latency", "handler", box=None, pad_edge=False, title=f"last {ov.window_minutes} min",
     )  # fmt: skip
     for s in ov.types:
         _row(t,
@@ -119,6 +119,8 @@ def overview(ov: Overview, as_json: bool) -> None:
             f"{s.dlq_per_min:.2f}",
             f"{s.lease_expirations_per_min:.2f}",
             str(s.retries),
+            elapsed(s.latency_avg_seconds),
+            elapsed(s.duration_avg_seconds),
         )
     console.print(t)
     paused = [q.name for q in ov.queues if q.paused]

@@ -216,6 +216,9 @@ class TypeStats:
     lock_contention: int = 0
     dedup_hits: int = 0
     idempotency_hits: int = 0
+    #: over the window, per job started: queue latency (due to start) and handler duration, in seconds
+    latency_avg_seconds: float = 0.0
+    duration_avg_seconds: float = 0.0
 
     @property
     def waiting(self) -> int:

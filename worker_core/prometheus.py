@@ -147,8 +147,20 @@ class FleetCollector(Collector):
             "Messages collapsed into a live job by their dedup key, per minute (producers count them).",
             labels=list(LABELS),
         )
+        latency = GaugeMetricFamily(
+            "qconsole_queue_latency_avg_seconds",
+            "Queue latency (due to start) of the jobs started in the window, on average.",
+            labels=list(LABELS),
+        )
+        duration = GaugeMetricFamily(
+            "qconsole_handler_duration_avg_seconds",
+            "Handler duration of the jobs started in the window, on average.",
+            labels=list(LABELS),
+        )
         for t in ov.types:
             key = [t.queue, t.job_type]
+            latency.add_metric(key, t.latency_avg_seconds)
+            duration.add_metric(key, t.duration_avg_seconds)
             for state in ("queued", "running", "retry_scheduled", "failed", "dead_lettered"):
                 jobs.add_metric([*key, state], getattr(t, state))
             lag.add_metric(key, t.oldest_waiting_seconds)
@@ -162,7 +174,7 @@ class FleetCollector(Collector):
         paused = GaugeMetricFamily("qconsole_queue_paused", "1 when an operator paused the queue.", labels=["queue"])
         for q in ov.queues:
             paused.add_metric([q.name], 1 if q.paused else 0)
-        yield from (jobs, lag, dlq, lease, tput, retries, dedup, workers, paused)
+        yield from (jobs, lag, dlq, lease, tput, retries, dedup, latency, duration, workers, paused)
 
 
 def serve_fleet(dsn: str, port: int, addr: str = "0.0.0.0", statement_timeout_ms: int = 5000) -> Any:

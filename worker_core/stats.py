@@ -74,6 +74,7 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
     per_min = 1.0 / max(covered, 1 / 60)
     for key in sorted(set(rows) | set(window)):
         r, w = rows.get(key, {}), window.get(key, {})
+        started = float(w.get("started") or 0)
         types.append(
             TypeStats(
                 queue=key[0],
@@ -101,6 +102,8 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
                 lock_contention=int(w.get("lock_contention") or 0),
                 dedup_hits=int(w.get("dedup_hits") or 0),
                 idempotency_hits=int(w.get("idempotency_hits") or 0),
+                latency_avg_seconds=float(w.get("latency_ms_sum") or 0) / 1000 / started if started else 0.0,
+                duration_avg_seconds=float(w.get("duration_ms_sum") or 0) / 1000 / started if started else 0.0,
             )
         )
     waiting: dict[str, int] = defaultdict(int)

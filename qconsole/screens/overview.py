@@ -174,6 +174,7 @@ class OverviewScreen(ConsoleScreen):
             line.append(f" {fmt.PAUSED} paused", style="bold")
         line.append(f" │ retries {fmt.rate(t.retries_per_min)}/m │ timeouts {t.timeouts} │ anomalies {t.anomalies}")
         line.append(f" │ lock waits {t.lock_contention} │ dedup {t.dedup_hits + t.idempotency_hits}")
+        line.append(f" │ latency {fmt.elapsed(t.latency_avg_seconds)} │ handler {fmt.elapsed(t.duration_avg_seconds)}")
         if self.over_lag(t):
             line.append(f" │ {fmt.WARN} lag over {fmt.duration(th.lag_seconds)}", style="bold")
         if self.over_dlq(t):

@@ -53,6 +53,15 @@ def duration(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def elapsed(seconds: float) -> str:
+    """A short time, to the millisecond below a second: 45ms, 2.1s, 3m05s."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    return duration(seconds)
+
+
 def ago(t: dt.datetime | None, now: dt.datetime) -> str:
     t = utc(t)
     if t is None:

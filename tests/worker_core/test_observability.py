@@ -92,6 +92,13 @@ def test_worker_and_fleet_endpoints_match_the_database(dsn: str, conn: db.Conn) 
     assert f[("qconsole_database_up", ())] == 1
     ov = {t.job_type: t for t in stats.overview(conn).types if t.queue == "default"}
     assert ov["t.ok"].dedup_hits == 1 and ov["t.ledger"].idempotency_hits == 1
+    # DESIGN's queue latency and handler duration per type, read by every surface (they reached none)
+    for name, fleet_name in (("qconsole_job_queue_latency_seconds", "qconsole_queue_latency_avg_seconds"),
+                             ("qconsole_job_duration_seconds", "qconsole_handler_duration_avg_seconds")):  # fmt: skip
+        avg = w[(f"{name}_sum", labels("t.flaky"))] / w[(f"{name}_count", labels("t.flaky"))]
+        assert f[(fleet_name, labels("t.flaky"))] == pytest.approx(avg, rel=0.01, abs=1e-4)
+    assert ov["t.flaky"].latency_avg_seconds == pytest.approx(f[("qconsole_queue_latency_avg_seconds",
+                                                                    labels("t.flaky"))])  # fmt: skip
 
 
 def test_the_fleet_endpoint_says_the_database_is_down_when_it_stops_answering(dsn: str) -> None:
