@@ -174,11 +174,11 @@ class OverviewScreen(ConsoleScreen):
             line.append(f" {fmt.PAUSED} paused", style="bold")
         line.append(f" │ retries {fmt.rate(t.retries_per_min)}/m │ timeouts {t.timeouts} │ anomalies {t.anomalies}")
         line.append(f" │ lock waits {t.lock_contention} │ dedup {t.dedup_hits + t.idempotency_hits}")
-        line.append(f" │ latency {fmt.elapsed(t.latency_avg_seconds)} │ handler {fmt.elapsed(t.duration_avg_seconds)}")
         if self.over_lag(t):
             line.append(f" │ {fmt.WARN} lag over {fmt.duration(th.lag_seconds)}", style="bold")
         if self.over_dlq(t):
             line.append(f" │ {fmt.WARN} dlq over {th.dlq_per_min:g}/m", style="bold")
+        line.append(f" │ latency {fmt.elapsed(t.latency_avg_seconds)} │ handler {fmt.elapsed(t.duration_avg_seconds)}")
         title.update(line)
         throughput = self.data.overview.throughput.get((t.queue, t.job_type), [])
         lag_series = self.data.lag.get(t.queue, [])

@@ -132,7 +132,8 @@ class FakeBackend:
         types = [
             TypeStats("default", "email.send", queued=41, running=4, retry_scheduled=12, dead_lettered=23,
                       oldest_waiting_seconds=185, throughput_per_min=18.4, dlq_per_min=1.3,
-                      lease_expirations_per_min=0.0, retries_per_min=6.1, retries=92, timeouts=3, anomalies=1),
+                      lease_expirations_per_min=0.0, retries_per_min=6.1, retries=92, timeouts=3, anomalies=1,
+                      latency_avg_seconds=41.5, duration_avg_seconds=0.35),
             TypeStats("default", "invoice.generate", queued=3, running=2, throughput_per_min=9.7,
                       oldest_waiting_seconds=2, retries_per_min=0.2, retries=3, dedup_hits=4, idempotency_hits=2),
             TypeStats("default", "report.build", queued=1, running=2, retry_scheduled=1, failed=0,
