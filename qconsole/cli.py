@@ -386,6 +386,9 @@ def worker(
     retention_failed: Annotated[
         str, typer.Option("--retention-failed", help="Prune failed/dead-lettered/cancelled jobs older than this.")
     ] = "14d",
+    retention_metrics: Annotated[
+        str, typer.Option("--retention-metrics", help="Prune per-minute counters older than this.")
+    ] = "90d",
     log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
     log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
     stop_on_stdin_eof: Annotated[
@@ -422,7 +425,9 @@ def worker(
         heartbeat_interval=heartbeat,
         metrics_port=metrics_port,
         retention=Retention(
-            succeeded_seconds=parse_duration(retention_succeeded), failed_seconds=parse_duration(retention_failed)
+            succeeded_seconds=parse_duration(retention_succeeded),
+            failed_seconds=parse_duration(retention_failed),
+            rollups_seconds=parse_duration(retention_metrics),
         ),
     )
     if stop_on_stdin_eof:

@@ -29,6 +29,9 @@ class Retention:
     succeeded_seconds: float = 86400.0
     #: failed, dead_lettered and cancelled: kept longer, operators may still requeue them
     failed_seconds: float = 14 * 86400.0
+    #: the per-minute counters (job_metrics_minute), which the console reads for its last hour: a row per
+    #: minute, queue and type, kept for weeks of history (they grew for ever)
+    rollups_seconds: float = 90 * 86400.0
     batch: int = 5000
     #: per kind (jobs, idempotency records) and round; a round also stops at ``round_seconds``. Either
     #: way, more past retention means the next round runs soon (HousekeepingReport.more)
@@ -38,7 +41,7 @@ class Retention:
     def __post_init__(self) -> None:
         # refused here, at start, with a clear error: in housekeeping it raised in every round, and the
         # round's other work (the rollup, the expired keys) was rolled back with it
-        for name in ("succeeded_seconds", "failed_seconds"):
+        for name in ("succeeded_seconds", "failed_seconds", "rollups_seconds"):
             value = getattr(self, name)
             if not 0 <= value <= MAX_RETENTION_SECONDS:  # False for nan
                 raise ValueError(f"retention {name} must be between 0 and {MAX_RETENTION_SECONDS:g}, not {value!r}")
@@ -117,6 +120,12 @@ def prune_finished(
     return total, more
 
 
+def prune_rollups(conn: Conn, now: dt.datetime, retention: Retention, deadline: float) -> tuple[int, bool]:
+    """Per-minute counters older than their retention, in batches as prune_finished."""
+    before = now - dt.timedelta(seconds=retention.rollups_seconds)
+    return _in_batches(conn, queries["prune_rollups"], {"before": before}, retention, deadline)
+
+
 def prune_processed_keys(conn: Conn, now: dt.datetime, retention: Retention, deadline: float) -> tuple[int, bool]:
     """Expired idempotency records, in batches as prune_finished: a burst of keyed jobs expires all at
     once a retention later."""
@@ -157,8 +166,12 @@ def housekeeping(
             conn.execute(queries["fold_dedup_hits"])
         _, keys_left = prune_processed_keys(conn, now, retention, deadline)
         pruned, jobs_left = prune_finished(conn, now, retention, until, deadline)
+        _, rollups_left = prune_rollups(conn, now, retention, deadline)
     finally:
         _unlock(conn)
     return HousekeepingReport(
-        pruned_jobs=pruned, enqueued_rolled_up_until=until, analyzed=analyzed, more=keys_left or jobs_left
+        pruned_jobs=pruned,
+        enqueued_rolled_up_until=until,
+        analyzed=analyzed,
+        more=keys_left or jobs_left or rollups_left,
     )

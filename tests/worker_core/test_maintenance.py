@@ -181,3 +181,14 @@ def test_expired_idempotency_records_go_in_batches_but_not_while_a_job_may_still
     assert housekeeping(conn, clock, Retention(failed_seconds=30 * 86400, batch=2, max_batches=2)) is not None
     left = sorted(r["idempotency_key"] for r in conn.execute("SELECT idempotency_key FROM processed_keys"))
     assert left == ["k0", "k1"]
+
+
+def test_per_minute_counters_are_kept_for_their_retention_only(conn: db.Conn) -> None:
+    # a row per minute, queue and type, for ever: two years of a hundred types were 100 million rows
+    rows = [(T0 - dt.timedelta(days=d), "default", "t.ok") for d in (200, 100, 31, 1)]
+    with conn.cursor() as cur:
+        cur.executemany("INSERT INTO job_metrics_minute (minute, queue, job_type, succeeded) VALUES (%s, %s, %s, 1)",
+                        rows)  # fmt: skip
+    housekeeping(conn, FixedClock(T0), Retention(rollups_seconds=90 * 86400, batch=1))
+    kept = [r["minute"] for r in conn.execute("SELECT minute FROM job_metrics_minute ORDER BY minute")]
+    assert kept == [T0 - dt.timedelta(days=31), T0 - dt.timedelta(days=1)]

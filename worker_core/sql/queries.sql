@@ -798,6 +798,12 @@ WITH doomed AS (
 )
 DELETE FROM job_queue j USING doomed d WHERE j.id = d.id;
 
+-- name: prune_rollups
+-- Per-minute counters past their retention, oldest first, through the primary key (minute first).
+DELETE FROM job_metrics_minute WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM job_metrics_minute WHERE minute < %(before)s ORDER BY minute LIMIT %(limit)s
+));
+
 -- name: housekeeping_watermark
 SELECT watermark FROM housekeeping WHERE name = %(name)s;
 
