@@ -316,10 +316,16 @@ _RESET_SESSION = (
     b"SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; SET SESSION AUTHORIZATION DEFAULT; RESET ALL;"
     b" DISCARD TEMP; SET idle_in_transaction_session_timeout = %d"
 )
+#: the same, in the commit's round trip of a transaction in which a handler used ctx.tx (before COMMIT: it
+#: commits with it, or rolls back with what the handler did). No round trip of its own on the hot path
+_RESET_AND_COMMIT = (
+    b"SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; SET SESSION AUTHORIZATION DEFAULT; RESET ALL;"
+    b" DISCARD TEMP; SET idle_in_transaction_session_timeout = %d; COMMIT"
+)
 #: between two jobs of a group (one transaction), before the next one's savepoint, in its round trip: the
-#: settings and temporary tables (a few microseconds of the server's); the rest waits for the transaction's
-#: end (_RESET_SESSION)
-_RESET_IN_GROUP = b"RESET ALL; RESET ROLE; DISCARD TEMP; SET idle_in_transaction_session_timeout = %d; "
+#: settings (SET LOCAL too: a tenant set by one job was the next one's) and temporary tables, ~6 us of a
+#: round trip here; a role and the rest wait for the transaction's end (_RESET_AND_COMMIT)
+_RESET_IN_GROUP = b"RESET ALL; DISCARD TEMP; SET idle_in_transaction_session_timeout = %d; "
 
 
 def _refuse(slot: Slot | None, what: str) -> None:
@@ -746,6 +752,25 @@ class Slot:
             return
         self._exec(_RESET_SESSION % conn.idle_bound_ms, psycopg.pq.ExecStatus.COMMAND_OK, conn)
         conn.handler_used = conn.handler_used_in_tx = False
+
+    def _commit(self, conn: JobConnection | AsyncJobConnection) -> None:
+        """The worker's COMMIT of a job's (or group's) transaction; after handlers used ctx.tx, with the
+        session's reset in the same round trip (_RESET_AND_COMMIT). A transaction that rolls back instead
+        leaves the flag set: the reset then has a round trip of its own before the next job (_reset_session)."""
+        if not conn.handler_used:
+            if isinstance(conn, JobConnection):
+                conn.commit()
+                return
+            raise TypeError("an async connection commits through _acommit")
+        self._exec(_RESET_AND_COMMIT % conn.idle_bound_ms, psycopg.pq.ExecStatus.COMMAND_OK, conn)
+        conn.handler_used = conn.handler_used_in_tx = False
+
+    async def _acommit(self, aconn: db.AsyncConn) -> None:
+        conn = cast(AsyncJobConnection, aconn)
+        if conn.handler_used:
+            self._commit(conn)
+        else:
+            await aconn.commit()
 
     def _in_group_reset(self, conn: JobConnection) -> bytes:
         """What goes before a grouped job's savepoint: the last job's settings and temporary tables undone
@@ -1348,7 +1373,7 @@ class Slot:
                 group.effects = [ex for ex in effects if ex.job["id"] in held]
                 self._give_back_group(group)
                 return
-            conn.commit()
+            self._commit(cast(JobConnection, conn))
         elif conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             conn.rollback()  # only failures, rolled back to their savepoints
         group.effects = []
@@ -1435,7 +1460,7 @@ class Slot:
             raise HandlerFailure(Cancelled("lock_lost"))
         if conn.execute(queries["settle_succeeded"], self._fence(ex)).fetchone() is None:
             raise LeaseLost()
-        conn.commit()
+        self._commit(cast(JobConnection, conn))
         self._succeeded(ex, idempotency_hit=False)
 
     @contextlib.contextmanager
@@ -1674,7 +1699,7 @@ class Slot:
             cur = await aconn.execute(queries["settle_succeeded"], self._fence(ex))
             if await cur.fetchone() is None:
                 raise LeaseLost()
-            await aconn.commit()
+            await self._acommit(aconn)
             self._succeeded(ex, idempotency_hit=False)
         except BaseException:
             if not aconn.closed:

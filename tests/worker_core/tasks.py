@@ -551,11 +551,13 @@ _DIRTY = (
     "SET statement_timeout = '150ms'",
     "CREATE TEMP TABLE staging (i int)",
     "SELECT pg_advisory_lock(4242)",
+    "SELECT set_config('app.tenant', 'tenant-1', true)",  # an RLS policy's tenant, for this transaction
 )
 _PROBE = (
     "INSERT INTO public.ledger (job_id, item, attempt) SELECT %s, concat_ws('|', current_setting('search_path'),"
     " current_setting('statement_timeout'), to_regclass('pg_temp.staging') IS NULL, (SELECT count(*) FROM"
-    " pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())), %s"
+    " pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()), coalesce(current_setting('app.tenant',"
+    " true), '')), %s"
 )
 
 
@@ -568,7 +570,8 @@ def dirty_session(ctx: JobContext, payload: dict[str, Any]) -> None:
 
 @worker_core.task("t.session_probe", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
 def session_probe(ctx: JobContext, payload: dict[str, Any]) -> None:
-    """Writes what it finds of its session to the ledger: search_path|statement_timeout|no temp table|locks."""
+    """Writes what it finds of its session to the ledger: search_path|statement_timeout|no temp table|locks|
+    app.tenant."""
     ctx.tx.execute(_PROBE, (ctx.job_id, ctx.attempt))
 
 

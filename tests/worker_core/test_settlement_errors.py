@@ -395,8 +395,8 @@ def test_what_a_handler_leaves_in_its_session_is_gone_before_the_next_job(
     if group_max > 1 and "async" not in dirty:
         assert wt.worker.groups == 1
     [found] = [r["item"] for r in ledger(dsn)]
-    search_path, timeout, no_temp_table, locks = found.split("|")
-    assert (search_path, timeout, no_temp_table) == ('"$user", public', "0", "t")
+    search_path, timeout, no_temp_table, locks, tenant = found.split("|")
+    assert (search_path, timeout, no_temp_table, tenant) == ('"$user", public', "0", "t", "")
     if group_max == 1 or "async" in dirty:  # in a group the advisory lock goes with the group's transaction
         assert locks == "0"
 
