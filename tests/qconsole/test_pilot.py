@@ -6,7 +6,6 @@ new current loop behind so that later ``snap_compare`` calls still find one (Tex
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import io
 import json
@@ -16,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ import psutil
 import pytest
 import rich.console
 from psycopg.conninfo import make_conninfo
-from textual.pilot import Pilot
 from textual.widgets import Static
 
 import tests.worker_core.tasks
@@ -38,6 +36,7 @@ from qconsole.screens.overview import OverviewScreen
 from qconsole.screens.start_worker import StartWorkerScreen
 from qconsole.screens.workers import WorkersScreen
 from qconsole.widgets.chrome import OutageBanner
+from tests.qconsole.pilot import run_async, settle, until
 from worker_core import RetryPolicy, db, ops, stats
 from worker_core.errors import ReadOnlyError
 from worker_core.models import JobState
@@ -46,30 +45,6 @@ from worker_core.worker import Worker, WorkerConfig
 TASKS = "tests.worker_core.tasks"
 REPO = Path(__file__).resolve().parents[2]
 SIZE = (80, 24)
-
-
-def run_async(coro: Coroutine[Any, Any, None]) -> None:
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        loop.run_until_complete(coro)
-    finally:
-        loop.close()
-        asyncio.set_event_loop(asyncio.new_event_loop())
-
-
-async def settle(pilot: Pilot[Any]) -> None:
-    for _ in range(2):
-        await pilot.app.workers.wait_for_complete()
-        await pilot.pause()
-
-
-async def until(pilot: Pilot[Any], condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or condition}")
-        await pilot.pause(0.1)
 
 
 def console(dsn: str, **kwargs: Any) -> QConsoleApp:

@@ -2,43 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import Callable, Coroutine
-from typing import Any
 
-from textual.pilot import Pilot
 from textual.widgets import Log
 
 from qconsole.screens.confirm import ConfirmScreen
 from qconsole.screens.dead_letters import DeadLettersScreen, group_key
 from qconsole.screens.workers import WorkersScreen
 from tests.qconsole.conftest import FakeBackend, FakeLauncher, fake_app
+from tests.qconsole.pilot import run_async, settle, until
 from worker_core.models import DeadLetterGroup
 
 SIZE = (80, 24)
-
-
-def run_async(coro: Coroutine[Any, Any, None]) -> None:
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
-async def settle(pilot: Pilot[Any]) -> None:
-    for _ in range(2):
-        await pilot.app.workers.wait_for_complete()
-        await pilot.pause()
-
-
-async def until(pilot: Pilot[Any], condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await pilot.pause(0.05)
 
 
 def test_the_output_pane_follows_an_embedded_workers_output_as_it_grows() -> None:
@@ -93,7 +69,7 @@ def test_a_second_r_while_the_groups_jobs_are_fetched_asks_nothing_more() -> Non
             await pilot.press("d")
             await settle(pilot)
             await pilot.press("r", "r")
-            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
             await pilot.press("y")
             await settle(pilot)
             await pilot.pause(0.7)  # a second question would be up by now
@@ -138,7 +114,7 @@ def test_marks_that_vanish_on_refresh_never_hand_the_action_to_the_cursors_group
             await settle(pilot)
             assert not isinstance(app.screen, ConfirmScreen)  # before: "Requeue 2 job(s)" of the cursor's group
             await pilot.press("space", "r")  # marking again: the operator chose
-            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the question")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
 
     run_async(scenario())
     assert not [name for name, _ in backend.calls if name == "requeue"]

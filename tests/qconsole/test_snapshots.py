@@ -13,15 +13,10 @@ import pytest
 from textual.pilot import Pilot
 
 from tests.qconsole.conftest import FakeBackend, fake_app
+from tests.qconsole.pilot import settle
 
 SIZES = [(80, 24), (120, 36)]
 SIZE_IDS = ["80x24", "120x36"]
-
-
-async def settle(pilot: Pilot[Any]) -> None:
-    for _ in range(2):
-        await pilot.app.workers.wait_for_complete()
-        await pilot.pause()
 
 
 def keys(*presses: str) -> Callable[[Pilot[Any]], Awaitable[None]]:

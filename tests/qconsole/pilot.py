@@ -1,0 +1,35 @@
+"""Driving the console in tests: an event loop per test, and waits on what the app does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from textual.pilot import Pilot
+
+
+def run_async(coro: Coroutine[Any, Any, None]) -> None:
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(coro)
+    finally:
+        loop.close()
+        asyncio.set_event_loop(asyncio.new_event_loop())
+
+
+async def settle(pilot: Pilot[Any]) -> None:
+    """Until the app's workers (its reads and actions) are done and the screen has caught up."""
+    for _ in range(2):
+        await pilot.app.workers.wait_for_complete()
+        await pilot.pause()
+
+
+async def until(pilot: Pilot[Any], condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        await pilot.pause(0.1)
