@@ -28,6 +28,7 @@ import logging
 import math
 import random
 import re
+import select
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -316,12 +317,10 @@ _RESET_SESSION = (
     b"SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; SET SESSION AUTHORIZATION DEFAULT; RESET ALL;"
     b" DISCARD TEMP; SET idle_in_transaction_session_timeout = %d"
 )
-#: the same, in the commit's round trip of a transaction in which a handler used ctx.tx (before COMMIT: it
-#: commits with it, or rolls back with what the handler did). No round trip of its own on the hot path
-_RESET_AND_COMMIT = (
-    b"SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; SET SESSION AUTHORIZATION DEFAULT; RESET ALL;"
-    b" DISCARD TEMP; SET idle_in_transaction_session_timeout = %d; COMMIT"
-)
+#: the same, after the COMMIT of a transaction in which a handler used ctx.tx, in its round trip (no round
+#: trip of its own on the hot path). After it, not before: the job's own SET LOCAL (a tenant for its RLS
+#: policies, a search_path) must hold for its deferred constraints and triggers, which run at COMMIT
+_COMMIT_AND_RESET = b"COMMIT; " + _RESET_SESSION
 #: between two jobs of a group (one transaction), before the next one's savepoint, in its round trip: the
 #: settings (SET LOCAL too: a tenant set by one job was the next one's) and temporary tables, ~6 us of a
 #: round trip here; a role and the rest wait for the transaction's end (_RESET_AND_COMMIT)
@@ -755,15 +754,28 @@ class Slot:
 
     def _commit(self, conn: JobConnection | AsyncJobConnection) -> None:
         """The worker's COMMIT of a job's (or group's) transaction; after handlers used ctx.tx, with the
-        session's reset in the same round trip (_RESET_AND_COMMIT). A transaction that rolls back instead
-        leaves the flag set: the reset then has a round trip of its own before the next job (_reset_session)."""
+        session's reset in the same round trip (_COMMIT_AND_RESET). The COMMIT's own result decides: a reset
+        that fails after it leaves the flag set, and the reset has a round trip of its own before the next
+        job (_reset_session), as after a transaction that rolled back."""
         if not conn.handler_used:
             if isinstance(conn, JobConnection):
                 conn.commit()
                 return
             raise TypeError("an async connection commits through _acommit")
-        self._exec(_RESET_AND_COMMIT % conn.idle_bound_ms, psycopg.pq.ExecStatus.COMMAND_OK, conn)
-        conn.handler_used = conn.handler_used_in_tx = False
+        if self.abandoned:
+            raise psycopg.OperationalError(ABANDONED)
+        pgconn = conn.pgconn
+        pgconn.send_query(_COMMIT_AND_RESET % conn.idle_bound_ms)
+        while pgconn.flush():  # psycopg's connections are non-blocking: what is left to send
+            select.select([], [pgconn.socket], [], 1.0)
+        results = []
+        while (res := pgconn.get_result()) is not None:
+            results.append(res)
+        committed = results[0] if results else None
+        if committed is None or committed.status != psycopg.pq.ExecStatus.COMMAND_OK:
+            raise self._failed(committed, conn)
+        if all(r.status in (psycopg.pq.ExecStatus.COMMAND_OK, psycopg.pq.ExecStatus.TUPLES_OK) for r in results):
+            conn.handler_used = conn.handler_used_in_tx = False
 
     async def _acommit(self, aconn: db.AsyncConn) -> None:
         conn = cast(AsyncJobConnection, aconn)
@@ -1113,15 +1125,22 @@ class Slot:
         conn = self.conn if conn is None else conn
         res = conn.pgconn.exec_(sql)
         if res.status != expect:
-            if res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
-                sqlstate = res.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
-                if sqlstate and conn.pgconn.status != psycopg.pq.ConnStatus.BAD:
-                    raise psycopg.errors.error_from_result(res, conn.info.encoding)
-                # the server closed the connection (no SQLSTATE): an outage, never an error of the job's making
-                message = (res.error_message or b"server closed the connection unexpectedly").decode(errors="replace")
-                raise psycopg.OperationalError(message.strip())
-            raise psycopg.OperationalError(f"unexpected result {psycopg.pq.ExecStatus(res.status).name}")
+            raise self._failed(res, conn)
         return res
+
+    @staticmethod
+    def _failed(res: psycopg.pq.abc.PGresult | None, conn: db.Conn | db.AsyncConn) -> psycopg.Error:
+        """The error a statement's unexpected result stands for."""
+        if res is not None and res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
+            sqlstate = res.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
+            if sqlstate and conn.pgconn.status != psycopg.pq.ConnStatus.BAD:
+                return psycopg.errors.error_from_result(res, conn.info.encoding)
+        if res is None or res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
+            # the server closed the connection (no SQLSTATE): an outage, never an error of the job's making
+            raw = (res.error_message if res is not None else b"") or conn.pgconn.error_message
+            message = (raw or b"server closed the connection unexpectedly").decode(errors="replace")
+            return psycopg.OperationalError(message.strip())
+        return psycopg.OperationalError(f"unexpected result {psycopg.pq.ExecStatus(res.status).name}")
 
     def _begin_for_handler(self, conn: db.Conn | db.AsyncConn) -> None:
         """On a handler's first use of ``ctx.tx`` (a job alone in its transaction, or async): the job's

@@ -598,3 +598,10 @@ class _Detached:
 @worker_core.task("t.bad_repr", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
 def bad_repr(ctx: JobContext, payload: dict[str, Any]) -> None:
     raise ValueError(_Detached())
+
+
+@worker_core.task("t.tenant_local", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
+def tenant_local(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Sets its tenant for this transaction (as an RLS setup does) and writes a row a deferred trigger checks."""
+    ctx.tx.execute("SELECT set_config('app.tenant', %s, true)", (payload["tenant"],))
+    ctx.tx.execute("INSERT INTO tenant_items (tenant) VALUES (%s)", (payload["tenant"],))

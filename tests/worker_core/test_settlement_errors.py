@@ -411,3 +411,28 @@ def test_an_exception_that_cannot_be_read_still_fails_its_job(dsn: str, conn: db
     row = job(dsn, bad)
     assert (row["state"], row["attempts"], row["lease_expirations"]) == ("dead_lettered", 2, 0)
     assert row["errors"][0]["class"] == "ValueError"
+
+
+TENANT_CHECK = """
+CREATE TABLE tenant_items (tenant text NOT NULL);
+CREATE FUNCTION tenant_check() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('app.tenant', true) IS DISTINCT FROM NEW.tenant THEN
+        RAISE EXCEPTION 'row of tenant % written under tenant %', NEW.tenant, current_setting('app.tenant', true);
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER tenant_check AFTER INSERT ON tenant_items DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION tenant_check();
+"""
+
+
+def test_a_jobs_set_local_holds_until_its_commit(dsn: str, conn: db.Conn) -> None:
+    # the session's reset went before COMMIT: a tenant set for the transaction was gone when its deferred
+    # triggers ran, and every such job failed and was dead-lettered
+    conn.execute(TENANT_CHECK)
+    ids = [enqueue(conn, "t.tenant_local", {"tenant": t}).id for t in ("t1", "t2")]
+    conn.commit()
+    run_burst(dsn, group_max=1)
+    assert [state(dsn, j) for j in ids] == ["succeeded", "succeeded"]
+    assert [job(dsn, j)["attempts"] for j in ids] == [1, 1]
