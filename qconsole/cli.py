@@ -81,7 +81,7 @@ def connect(
         conn = db.connect(
             target, application_name="qconsole-cli", autocommit=autocommit, read_only=read_only, tolerant_json=True
         )
-    except psycopg.OperationalError as e:
+    except psycopg.Error as e:  # unreachable, or a DSN libpq cannot parse (its error quotes it)
         fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
     try:
         pending = pending_migrations(conn)
@@ -124,6 +124,9 @@ def guarded(fn: Callable[[], T]) -> T:
         fail(f"database error: {e}".strip(), 3)
     except psycopg.DataError as e:
         fail(f"invalid value: {str(e).strip()}", 2)
+    except (psycopg.errors.InsufficientPrivilege, psycopg.errors.ReadOnlySqlTransaction) as e:
+        # a role that may only read, a replica: refused, as --read-only refuses (nothing was written)
+        fail(f"refused by the database, nothing changed: {str(e).strip()}", 1)
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -210,9 +213,12 @@ def _schema_ready_for_console(dsn: str | None, read_only: bool) -> None:
     if configured is None:
         with connect(dsn, read_only=read_only):  # the embedded server: migrated here, if need be
             return
+    target = db.resolve_dsn(configured)
     try:
-        with db.connect(db.resolve_dsn(configured), application_name="qconsole-cli", connect_timeout=3) as conn:
+        with db.connect(target, application_name="qconsole-cli", connect_timeout=3) as conn:
             pending = pending_migrations(conn)
+    except psycopg.ProgrammingError as e:  # a DSN libpq cannot parse: the console could never connect
+        fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
     except psycopg.OperationalError:
         return
     if pending:
@@ -224,11 +230,16 @@ def _schema_ready_for_console(dsn: str | None, read_only: bool) -> None:
 def demo(
     refresh: Annotated[float, typer.Option("--refresh", min=0.2)] = 1.0,
     workers: Annotated[int, typer.Option("--workers", min=0, help="Embedded workers to start.")] = 2,
+    dsn: Annotated[
+        str | None,
+        typer.Option("--dsn", help="Run it on this database (it writes demo jobs); QCONSOLE_DSN is ignored."),
+    ] = None,
 ) -> None:
     """The console over the embedded PostgreSQL, with workers and a live demo workload."""
     from qconsole.demo import run_demo
 
-    raise typer.Exit(run_demo(refresh, workers))
+    _refuse_if_read_only("demo")
+    raise typer.Exit(run_demo(refresh, workers, _dsn(dsn)))
 
 
 # ------------------------------------------------------------------------------------------------ schema
@@ -243,10 +254,14 @@ def migrate(dsn: DsnOpt = None) -> None:
     except RuntimeError as e:  # the embedded server cannot start: the message says what to do
         fail(str(e), 3)
     try:
-        with db.connect(target, application_name="qconsole-migrate") as conn:
+        conn = db.connect(target, application_name="qconsole-migrate")
+    except psycopg.Error as e:  # unreachable, or a DSN libpq cannot parse (its error quotes it)
+        fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
+    try:
+        with conn:
             applied = run_migrations(conn)
     except psycopg.OperationalError as e:
-        fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
+        fail(f"lost the database while migrating: {db.redact(str(e).strip(), target)}", 3)
     except RuntimeError as e:  # an applied migration that changed: forward-only
         fail(str(e), 3)
     except psycopg.Error as e:  # a migration the server refused: it rolled back, nothing of it stays

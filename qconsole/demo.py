@@ -184,15 +184,34 @@ class Feeder(threading.Thread):
                 conn.close()
 
 
-def run_demo(refresh: float = 1.0, workers: int = 2) -> int:
-    """Embedded PostgreSQL (unless a DSN is configured), migrations, ``workers`` embedded workers on the
-    demo tasks, a workload, and the console. Quitting stops everything it started."""
+def demo_dsn(explicit: str | None) -> str:
+    """The demo's database: the embedded server's, unless ``--dsn`` names one. Never QCONSOLE_DSN or
+    DATABASE_URL: the demo writes jobs of its own and runs workers that take any job of its types
+    (invoice.generate, email.send...): on an application's database, exported for it, it ran that
+    application's jobs with the demo's handlers (a real password-reset mail settled, never sent)."""
+    if explicit:
+        return explicit
+    ignored = [var for var in db.DSN_ENV_VARS if os.environ.get(var)]
+    if ignored:
+        print(
+            f"qconsole demo: {' and '.join(ignored)} ignored: the demo writes jobs and runs workers of its own, on"
+            " the embedded PostgreSQL (`qconsole demo --dsn` puts them in a database of yours)",
+            flush=True,
+        )
+    from worker_core.embedded import start_embedded
+
+    return start_embedded()
+
+
+def run_demo(refresh: float = 1.0, workers: int = 2, dsn: str | None = None) -> int:
+    """The embedded PostgreSQL (or ``dsn``), migrations, ``workers`` embedded workers on the demo tasks, a
+    workload, and the console. Quitting stops everything it started."""
     from qconsole.app import run_console
     from qconsole.embedded_workers import EmbeddedWorkers
     from worker_core.migrate import migrate
 
     print("qconsole demo: starting PostgreSQL and migrating…", flush=True)
-    dsn = db.resolve_dsn(None)
+    dsn = demo_dsn(dsn)
     with db.connect(dsn, application_name="qconsole-demo") as conn:
         migrate(conn)
         conn.commit()

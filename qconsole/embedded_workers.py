@@ -17,9 +17,9 @@ import datetime as dt
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
+import platformdirs
 import psycopg
 
 from qconsole.widgets.fmt import printable
@@ -86,6 +87,20 @@ class EmbeddedWorker:
         return list(self.output)[-n:]
 
 
+def open_private_log(path: Path) -> IO[str]:
+    """``path`` opened to append, readable by this user only, in a directory of this user's that no one
+    else can write to; never through a symbolic link. Raises OSError (with why) otherwise."""
+    folder = path.parent
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"{folder} is not a directory of this user's")
+    if st.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
 class WorkerLauncher(Protocol):
     """What the console needs to start, stop and watch embedded workers (tests pass a fake)."""
 
@@ -117,7 +132,9 @@ class EmbeddedWorkers:
     ) -> None:
         self.dsn = dsn
         self.command = list(command or [sys.executable, "-m", "qconsole", "worker"])
-        self.log_dir = log_dir or Path(tempfile.gettempdir()) / f"qconsole-workers-{os.getuid()}"
+        # the user's own state directory, never a name in /tmp another local user could make first (and
+        # point its files elsewhere) or read: the workers' output holds job data (errors, keys, tenants)
+        self.log_dir = log_dir or platformdirs.user_log_path("qconsole") / "workers"
         self.shutdown_grace = shutdown_grace
         self.extra_args = list(extra_args)
         self.env = env
@@ -155,7 +172,6 @@ class EmbeddedWorkers:
                 raise RuntimeError("the console is shutting down")
             number = self._next
             self._next += 1
-            self.log_dir.mkdir(parents=True, exist_ok=True)
             w = EmbeddedWorker(
                 number=number,
                 tasks=tasks,
@@ -217,8 +233,9 @@ class EmbeddedWorkers:
         log: IO[str] | None = None
         try:
             assert w.log_path is not None
-            log = w.log_path.open("a", encoding="utf-8")
-        except OSError:
+            log = open_private_log(w.log_path)
+        except OSError as e:
+            w.output.append(f"[its output is not written to {w.log_path}: {e}]")
             log = None
         try:
             assert proc.stdout is not None

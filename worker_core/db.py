@@ -56,7 +56,8 @@ def resolve_dsn(dsn: str | None = None) -> str:
     return start_embedded()
 
 
-_PASSWORD_IN_URL = re.compile(r"(://[^:/@]*:)[^@]*(@)")
+#: to the last ``@`` of the URL: a password with an ``@`` of its own (unencoded) showed its tail
+_PASSWORD_IN_URL = re.compile(r"(://[^:/@\s]*:)[^\s]*(@)")
 #: ``?password=...`` in a URL's query string, and ``password=...`` in a key=value DSN libpq cannot parse
 _PASSWORD_PARAM = re.compile(r"((?:^|[?&\s])password\s*=\s*)('(?:[^'\\]|\\.)*'|[^&\s]*)", re.IGNORECASE)
 
@@ -79,17 +80,28 @@ def redact_dsn(dsn: str) -> str:
     return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
 
 
-def redact(text: str, dsn: str | None) -> str:
-    """Remove a DSN's password from an error message."""
-    if not dsn:
-        return text
+def _passwords_of(dsn: str) -> list[str]:
+    """What may be the DSN's password, longest first: libpq's reading of it, and the URL's user part up to
+    its last ``@`` with its pieces (an unencoded ``@`` in a password sends its tail into the host name, an
+    unencoded ``%`` fails the parse, and libpq's error quotes that piece)."""
+    found: set[str] = set()
     try:
-        password = conninfo_to_dict(dsn).get("password")
+        if password := conninfo_to_dict(dsn).get("password"):
+            found.add(str(password))
     except psycopg.ProgrammingError:
-        password = None
-    if password:
-        text = text.replace(str(password), "***")
-    return text
+        if param := _PASSWORD_PARAM.search(dsn):
+            found.add(param.group(2).strip("'"))
+    if url := re.search(r"://[^:/@\s]*:([^\s]*)@", dsn):
+        found.add(url.group(1))
+        found.update(piece for piece in url.group(1).split("@") if len(piece) >= 2)
+    return sorted((p for p in found if p), key=len, reverse=True)
+
+
+def redact(text: str, dsn: str | None) -> str:
+    """Remove a DSN's password from an error message (and any DSN in it, whole or in part)."""
+    for password in _passwords_of(dsn) if dsn else ():
+        text = text.replace(password, "***")
+    return _mask(text)
 
 
 #: libpq's TCP keepalives and user timeout, where the DSN sets none of its own: a server that vanished (a

@@ -96,7 +96,7 @@ class ConsoleScreen(Screen[None]):
         try:
             data = self.fetch(backend)
         except Exception as e:
-            self.post_message(FetchFailed(describe_error(e), outage=is_outage(e)))
+            self.post_message(FetchFailed(self.describe(e), outage=is_outage(e)))
             return
         self.post_message(DataFetched(data))
 
@@ -149,6 +149,11 @@ class ConsoleScreen(Screen[None]):
 
     # ---------------------------------------------------------------- acting
 
+    def describe(self, e: BaseException) -> str:
+        """An error in one line, without the password of the backend's DSN (whole, or the pieces an error
+        of libpq's quotes of it)."""
+        return describe_error(e, getattr(self.qapp.backend, "dsn", None))
+
     def act(
         self,
         name: str,
@@ -182,7 +187,7 @@ class ConsoleScreen(Screen[None]):
         try:
             result = fn(self.qapp.backend)
         except Exception as e:
-            self.post_message(ActionFailed(name, describe_error(e)))
+            self.post_message(ActionFailed(name, self.describe(e)))
             return
         self.post_message(ActionDone(result, summary(result)))
 

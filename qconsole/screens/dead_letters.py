@@ -15,7 +15,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
-from qconsole.backend import ConsoleBackend, describe_error
+from qconsole.backend import ConsoleBackend
 from qconsole.messages import ActionFailed
 from qconsole.screens.base import ACTION_GROUP, ConsoleScreen
 from qconsole.widgets import fmt
@@ -226,7 +226,7 @@ class DeadLettersScreen(ConsoleScreen):
             ids = list(dict.fromkeys(i for g in groups for i in self.qapp.backend.group_job_ids(g)))
         except Exception as e:
             self.fetching = False
-            self.post_message(ActionFailed(name, describe_error(e)))
+            self.post_message(ActionFailed(name, self.describe(e)))
             return
         self.app.call_from_thread(self._ask, name, groups, verb, details, ids)
 

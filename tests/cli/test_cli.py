@@ -478,3 +478,91 @@ def test_a_read_only_command_brings_the_embedded_servers_schema_up_to_date() -> 
         assert refused.returncode == 0, refused.stderr  # migrated already
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ safety
+
+
+@pytest.mark.parametrize(
+    "bad_dsn",
+    ["postgresql://app:Secr3t%PW@127.0.0.1/db", "postgres://app:Secr3tPW@[::1/db", "postgresql://app:Secr3t@PW@127.0.0.1:1/db"],
+    ids=["percent", "bracket", "at-sign"],
+)
+@pytest.mark.parametrize("args", [["stats"], ["migrate"], ["kill", "00000000-0000-4000-8000-000000000000"]])
+def test_a_dsn_libpq_cannot_parse_is_said_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, bad_dsn: str, args: list[str]
+) -> None:
+    # a traceback that quoted the password (CI logs, pastes), exit 1; an @ in it showed the tail
+    monkeypatch.setenv("QCONSOLE_DSN", bad_dsn)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 3, result.output
+    assert "cannot connect" in result.output
+    for secret in ("Secr3t", "PW@", "%PW"):
+        assert secret not in result.output
+
+
+@pytest.mark.parametrize("bad_dsn", ["postgresql://app:Secr3t%PW@127.0.0.1/db", "postgres://app:Secr3tPW@[::1/db"])
+def test_the_console_on_a_dsn_libpq_cannot_parse_says_so_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, bad_dsn: str
+) -> None:
+    monkeypatch.setenv("QCONSOLE_DSN", bad_dsn)
+    result = CliRunner().invoke(app, [])
+    assert result.exit_code == 3 and "cannot connect" in result.output, result.output
+    assert "Secr3t" not in result.output and "%PW" not in result.output
+
+
+def test_the_consoles_banner_never_shows_a_piece_of_the_password() -> None:
+    # an unencoded @ in the password: libpq takes its tail for the host, and its error names that host
+    import psycopg
+
+    from qconsole.backend import describe_error
+
+    dsn = "postgresql://app:Secr3t@PW@127.0.0.1:1/db"
+    with pytest.raises(psycopg.OperationalError) as caught:
+        psycopg.connect(dsn, connect_timeout=2)
+    text = describe_error(caught.value, dsn)
+    assert "Secr3t" not in text and "PW@" not in text and "failed to resolve host" in text
+
+
+def test_an_action_a_read_only_role_may_not_do_is_refused_cleanly(dsn: str, conn: db.Conn) -> None:
+    role = f"qc_ro_{uuid.uuid4().hex[:8]}"
+    conn.execute(f"CREATE ROLE {role} LOGIN")
+    conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    conn.commit()
+    try:
+        from psycopg.conninfo import make_conninfo
+
+        ro = make_conninfo(dsn, user=role)
+        jid = CliRunner().invoke(app, ["enqueue", "t.ok", "--dsn", dsn]).stdout.strip()
+        for args in (["kill", jid], ["pause", "default"], ["enqueue", "t.ok"]):
+            result = CliRunner().invoke(app, [*args, "--dsn", ro])
+            assert result.exit_code == 1, result.output  # a traceback, exit 1
+            assert "refused by the database, nothing changed" in result.output
+        assert "running" not in CliRunner().invoke(app, ["job", jid, "--dsn", ro]).stdout  # it reads
+    finally:
+        conn.execute(f"DROP OWNED BY {role}")
+        conn.execute(f"DROP ROLE {role}")
+        conn.commit()
+
+
+def test_the_demo_never_runs_on_a_database_the_environment_names(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DATABASE_URL exported for an application: the demo wrote its jobs there and its workers ran the
+    # application's jobs of the same types
+    import shutil
+    import tempfile
+
+    result = CliRunner().invoke(app, ["--read-only", "demo"])
+    assert result.exit_code == 1 and "read-only" in result.output
+    base = Path(tempfile.mkdtemp(prefix="qd", dir="/tmp"))
+    env = {**os.environ, "DATABASE_URL": dsn, "QCONSOLE_PGDATA": str(base / "pg"), "PYTHONPATH": str(ROOT)}
+    env.pop("QCONSOLE_DSN", None)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "from qconsole.demo import demo_dsn; print(demo_dsn(None))"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "DATABASE_URL ignored" in done.stdout
+        assert done.stdout.strip().splitlines()[-1].endswith(f"host={base / 'pg'}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -303,7 +303,7 @@ class FakeLauncher:
         running = EmbeddedWorker(1, ("qconsole.demo",), (), 4, host="web-1", pid=4121, started_at=ago(7200))
         running.exit_code = None
         running.proc = object()  # type: ignore[assignment]
-        running.log_path = Path("/tmp/qconsole-workers/worker-1.log")
+        running.log_path = Path("/home/oncall/.local/state/qconsole/log/workers/worker-1.log")
         for line in [
             "$ python -m qconsole worker --tasks qconsole.demo --concurrency 4",
             "09:24:01 INFO worker_core.worker worker starting: queues=* types=email.send,invoice.generate",

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import stat
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -257,3 +261,28 @@ def test_a_server_that_stops_answering_is_taken_for_an_outage_not_waited_for(dsn
         proxy.frozen.clear()
         backend.close()
         proxy.close()
+
+
+def test_embedded_workers_logs_are_private_and_never_followed_through_a_link(tmp_path: Path) -> None:
+    # they went to /tmp/qconsole-workers-<uid>, a name another local user could make first and point its
+    # files anywhere (the console appended to them), readable by everyone (errors, keys, tenants)
+    from qconsole.embedded_workers import open_private_log
+
+    assert not str(EmbeddedWorkers("postgresql://unused").log_dir).startswith(tempfile.gettempdir())
+    folder = tmp_path / "workers"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    with open_private_log(folder / "worker-1.log") as log:
+        log.write("line\n")
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE((folder / "worker-1.log").stat().st_mode) == 0o600
+    victim = tmp_path / "victim"
+    victim.write_text("not the console's\n")
+    (folder / "worker-2.log").symlink_to(victim)
+    with pytest.raises(OSError):
+        open_private_log(folder / "worker-2.log")
+    assert victim.read_text() == "not the console's\n"
+    if os.getuid() == 0:  # a directory another user made first
+        os.chown(folder, 65534, 65534)
+        with pytest.raises(PermissionError):
+            open_private_log(folder / "worker-3.log")
