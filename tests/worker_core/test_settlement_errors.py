@@ -436,3 +436,18 @@ def test_a_jobs_set_local_holds_until_its_commit(dsn: str, conn: db.Conn) -> Non
     run_burst(dsn, group_max=1)
     assert [state(dsn, j) for j in ids] == ["succeeded", "succeeded"]
     assert [job(dsn, j)["attempts"] for j in ids] == [1, 1]
+
+
+def test_grouped_jobs_whose_deferred_triggers_read_their_set_local_end_up_alone_and_succeed(
+    dsn: str, conn: db.Conn
+) -> None:
+    # in a group a job's SET LOCAL lasts until the next job begins: the group's commit fails once on the
+    # first job's row, and the type runs one job per transaction from then on
+    conn.execute(TENANT_CHECK)
+    ids = [enqueue(conn, "t.tenant_local", {"tenant": t}).id for t in ("t1", "t2")]
+    conn.commit()
+    wt = WorkerThread(dsn, concurrency=1, group_max=32)
+    wt.worker.observe_handler("t.tenant_local", 0.001)  # measured fast: the two go in one group
+    assert wt.start().join(60) == 0
+    assert [state(dsn, j) for j in ids] == ["succeeded", "succeeded"]
+    assert "t.tenant_local" in wt.worker._ungrouped
