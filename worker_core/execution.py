@@ -889,6 +889,7 @@ class Slot:
 
     def run_one(self, ex: Execution) -> None:
         """A job in a transaction of its own."""
+        self._unreachable = False  # one give-up's, not this job's (_write): its settlements get their lease
         try:
             self.execute(ex)
         except Abandoned:
@@ -1057,6 +1058,7 @@ class Slot:
         """Run the jobs one after another in one transaction (see the module docstring)."""
         w = self.w
         w.groups += 1
+        self._unreachable = False  # as in run_one
         group = Group(waiting=list(jobs))
         current: Execution | None = None
         self._in_group, self._pinned = True, None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -180,6 +181,9 @@ class FreezingProxy:
         self.target = (host, port)
         self.dsn = ""
         self.frozen = threading.Event()
+        #: cut: every connection through it is closed, and new ones are refused, until restore()
+        self.down = threading.Event()
+        self._sockets: list[Any] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -192,12 +196,16 @@ class FreezingProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            if self.down.is_set():
+                client.close()
+                continue
             host, port = self.target
             if host.startswith("/"):  # a socket directory (the embedded server)
                 server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 server.connect(f"{host}/.s.PGSQL.{port}")
             else:
                 server = socket.create_connection(self.target)
+            self._sockets += [client, server]
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -209,6 +217,20 @@ class FreezingProxy:
                 dst.sendall(data)
         except OSError:
             pass
+
+    def cut(self) -> None:
+        """The database goes away: the connections through the proxy break, new ones are refused."""
+        import socket
+
+        self.down.set()
+        sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def restore(self) -> None:
+        self.down.clear()
 
     def close(self) -> None:
         self.listener.close()

@@ -605,3 +605,10 @@ def tenant_local(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Sets its tenant for this transaction (as an RLS setup does) and writes a row a deferred trigger checks."""
     ctx.tx.execute("SELECT set_config('app.tenant', %s, true)", (payload["tenant"],))
     ctx.tx.execute("INSERT INTO tenant_items (tenant) VALUES (%s)", (payload["tenant"],))
+
+
+@worker_core.task("t.fail_slowly", retry=FAST, max_attempts=5, reason="tests need fast, bounded retries")
+def fail_slowly(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Takes its time, then fails (transient): its failure is settled when the test has cut the database."""
+    time.sleep(payload.get("sleep", 1.0))
+    raise TransientError("upstream 503")

@@ -782,6 +782,36 @@ def test_a_pause_gives_back_at_once_the_jobs_a_worker_claimed_but_has_not_starte
     assert sorted(r["attempts"] for r in rows) == [0, 0, 0, 1]  # released uncharged
 
 
+def test_a_slot_that_gave_up_in_a_long_outage_still_waits_out_the_next_blip(conn: db.Conn, dsn: str) -> None:
+    # the slot's "unreachable" mark of one give-up stayed for good: every later settlement got one try, a
+    # blip of a second left the job running until its lease ran out, taken for a worker that died (and
+    # as a suspect, blips could dead-letter it unrun)
+    from tests.worker_core.helpers import FreezingProxy
+
+    short = {"sleep": 0.5}
+    lease = {"timeout_seconds": 1, "visibility_timeout_seconds": 6.1}
+    proxy = FreezingProxy.before(dsn)
+    a = enqueue(conn, "t.fail_slowly", short, **lease).id
+    conn.commit()
+    wt = WorkerThread(proxy.dsn, burst=False, concurrency=1, group_max=1, heartbeat_interval=0.2).start()
+    try:
+        wait_for(lambda: state(dsn, a) == "running", 10, what="A to start")
+        proxy.cut()  # A's failure is settled during an outage longer than its lease: given up
+        time.sleep(7.5)
+        proxy.restore()
+        b = enqueue(conn, "t.fail_slowly", short, priority=-1, **lease).id
+        conn.commit()
+        wait_for(lambda: state(dsn, b) == "running", 30, what="B to start")
+        proxy.cut()  # a blip while B's failure is settled
+        time.sleep(1.5)
+        proxy.restore()
+        wait_for(lambda: bool(kinds(dsn, b)), 20, what="B's first failure settled")
+    finally:
+        wt.stop()
+        proxy.close()
+    assert kinds(dsn, b)[0] == "transient", job(dsn, b)["errors"]  # not lease_expired, a lease later
+
+
 def test_a_stop_gives_back_at_once_the_jobs_a_worker_claimed_but_has_not_started(conn: db.Conn, dsn: str) -> None:
     ids = [enqueue(conn, "t.slow", {"seconds": 6.0}).id for _ in range(4)]
     conn.commit()
