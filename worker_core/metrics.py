@@ -41,6 +41,8 @@ class MetricsBuffer:
         #: process-lifetime totals, for the worker's own Prometheus endpoint
         self.totals: dict[tuple[str, str, str], float] = defaultdict(float)
         self.observers: list[Any] = []
+        #: flushes whose COMMIT went unanswered, by transaction id (flush)
+        self._unknown: list[tuple[str, dict[Key, dict[str, float]]]] = []
 
     def add(self, queue: str, job_type: str, name: str, value: float = 1) -> None:
         minute = self.clock.now().replace(second=0, microsecond=0)
@@ -81,7 +83,11 @@ class MetricsBuffer:
                     self._rows[key][name] += v
 
     def flush(self, conn: Conn) -> int:
-        """Write what was counted since the last flush. On failure the counts are kept for the next one."""
+        """Write what was counted since the last flush. On failure the counts are kept for the next one,
+        unless the failure hid a commit: a flush whose COMMIT's reply was lost (the connection broke after
+        the server committed) is asked about by the next one (``pg_xact_status``), and counted once. Put
+        back blindly, it was counted twice: a heartbeat's worth of rates and charts doubled."""
+        self._settle_unknown(conn)
         rows = self.take()
         if not rows:
             return 0
@@ -95,10 +101,36 @@ class MetricsBuffer:
             }
             for k, v in sorted(rows.items())
         ]
+        xid: str | None = None
         try:
             with conn.transaction():
-                conn.execute(queries["metrics_flush"], {"rows": json.dumps(payload)})
+                written = conn.execute(queries["metrics_flush"], {"rows": json.dumps(payload)}).fetchone()
+                xid = written["xid"] if written else None
         except Exception:
-            self.put_back(rows)
+            if xid is None:
+                self.put_back(rows)  # failed before its COMMIT: nothing of it committed
+            else:
+                with self._lock:
+                    self._unknown.append((xid, rows))
             raise
         return len(rows)
+
+    def _settle_unknown(self, conn: Conn) -> None:
+        """The flushes whose COMMIT went unanswered: dropped if they committed, put back if not."""
+        with self._lock:
+            unknown, self._unknown = self._unknown, []
+        still: list[tuple[str, dict[Key, dict[str, float]]]] = []
+        try:
+            while unknown:
+                xid, rows = unknown[0]
+                with conn.transaction():
+                    found = conn.execute(queries["xact_status"], {"xid": xid}).fetchone()
+                status = found["status"] if found else None
+                if status == "in progress":  # its server process is still ending it: asked again next time
+                    still.append(unknown[0])
+                elif status != "committed":  # aborted, or too old to be known: not counted
+                    self.put_back(rows)
+                unknown.pop(0)
+        finally:
+            with self._lock:
+                self._unknown = still + unknown + self._unknown

@@ -183,6 +183,10 @@ class FreezingProxy:
         self.frozen = threading.Event()
         #: cut: every connection through it is closed, and new ones are refused, until restore()
         self.down = threading.Event()
+        #: once: the connection that sends a statement with these bytes is closed when the server answers
+        #: its transaction's COMMIT, before the answer reaches the client (committed, and not known to be)
+        self.lose_commit_after: bytes | None = None
+        self.commits_lost = 0
         self._sockets: list[Any] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -206,14 +210,27 @@ class FreezingProxy:
             else:
                 server = socket.create_connection(self.target)
             self._sockets += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            pair: dict[str, bool] = {"marked": False}
+            for a, b, up in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pipe, args=(a, b, pair, up), daemon=True).start()
 
-    def _pipe(self, src: Any, dst: Any) -> None:
+    def _pipe(self, src: Any, dst: Any, pair: dict[str, bool], up: bool) -> None:
         try:
             while data := src.recv(65536):
                 while self.frozen.is_set():
                     time.sleep(0.05)
+                marker = self.lose_commit_after
+                if marker is not None and up and marker in data:
+                    pair["marked"] = True
+                if pair["marked"] and not up and b"COMMIT\x00" in data:
+                    # the server committed; its answer is lost with the connection
+                    self.lose_commit_after, pair["marked"] = None, False
+                    self.commits_lost += 1
+                    for sock in (src, dst):
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(2)  # SHUT_RDWR: close() alone, with a recv() blocked on it, sends nothing
+                        sock.close()
+                    return
                 dst.sendall(data)
         except OSError:
             pass

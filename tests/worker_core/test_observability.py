@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import socket
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -218,3 +219,24 @@ def test_a_count_added_as_a_float_is_flushed_as_an_integer(conn: db.Conn) -> Non
     assert buffer.flush(conn) == 1
     row = conn.execute("SELECT started, succeeded, duration_ms_sum FROM job_metrics_minute").fetchone()
     assert row is not None and (row["started"], row["succeeded"], float(row["duration_ms_sum"])) == (2, 1, 1.5)
+
+
+def test_a_flush_whose_commit_reply_is_lost_is_counted_once(dsn: str, conn: db.Conn) -> None:
+    # the counts were put back and flushed again: the server had committed them, and every rate and chart
+    # of that minute read double
+    from tests.worker_core.helpers import FreezingProxy, running_worker, scalar, wait_for
+
+    proxy = FreezingProxy.before(dsn)
+    proxy.lose_commit_after = b"latency_ms_sum float8"  # the flush's statement
+    try:
+        with running_worker(proxy.dsn, heartbeat_interval=0.3):
+            for i in range(50):
+                enqueue(conn, "t.ok", {"i": i})
+            conn.commit()
+            done = "SELECT count(*) FROM job_queue WHERE state = 'succeeded'"
+            wait_for(lambda: scalar(dsn, done) == 50 and proxy.commits_lost == 1, 30, what="a flush's reply lost")
+            time.sleep(1.0)  # the next beats flush again
+    finally:
+        proxy.close()
+    counted = "SELECT sum(succeeded) FROM job_metrics_minute WHERE job_type = 't.ok'"
+    assert scalar(dsn, counted) == 50

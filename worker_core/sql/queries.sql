@@ -487,7 +487,12 @@ ON CONFLICT (minute, queue, job_type) DO UPDATE SET
     lease_expirations = m.lease_expirations + EXCLUDED.lease_expirations,
     cancelled = m.cancelled + EXCLUDED.cancelled,
     latency_ms_sum = m.latency_ms_sum + EXCLUDED.latency_ms_sum,
-    duration_ms_sum = m.duration_ms_sum + EXCLUDED.duration_ms_sum;
+    duration_ms_sum = m.duration_ms_sum + EXCLUDED.duration_ms_sum
+-- the transaction's id: if the reply to its COMMIT is lost, the next flush asks whether it committed
+RETURNING pg_current_xact_id()::text AS xid;
+
+-- name: xact_status
+SELECT pg_xact_status(%(xid)s::xid8) AS status;
 
 -- name: burst_remaining
 -- What keeps a --burst worker alive: running jobs, ready jobs, and retries it must still drain. Counted
