@@ -1765,6 +1765,10 @@ class Slot:
                 ex.ctx.logger.info("its queue was paused before it started: job released")
                 self.release(ex, 0.0)
                 return
+            if exc.reason == "held":
+                ex.ctx.logger.info("a limit of 0 holds its type, set before it started: job released")
+                self.release(ex, 0.0)
+                return
             if exc.reason == "lock_lost":
                 # what it did without the lock was rolled back; it runs again, its attempt given back
                 delay = self.w.config.lock_contention_delay * random.uniform(0.8, 1.5)

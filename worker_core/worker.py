@@ -402,11 +402,15 @@ class Worker:
         # run or beat for them until their leases ran out)
         try:
             if not self._in_flight and self._want_solo:
-                rows = conn.execute(queries["claim_solo"], self._claim_params(1)).fetchall()
+                rows = self._claim_solo(conn)
                 self._want_solo = bool(rows)
             if not rows or all(r["state"] != "running" for r in rows):
-                rows += self._claim_ready(conn, limit)
-                rows += self._claim_limited(conn, limit - len(rows))
+                # the limited types first, in their own lane bounded by their limits: given what room the
+                # main claim left, they got none through any backlog of unlimited jobs, whatever their
+                # priority (a job of a type limited to 5 at priority -100 ran after 3,000 at 100)
+                rows += self._claim_limited(conn, limit)
+                if limit - len(rows) > 0:
+                    rows += self._claim_ready(conn, limit - len(rows))
         except Exception as e:  # not only a database error: rows already claimed must run all the same
             if not rows:
                 raise
@@ -430,6 +434,30 @@ class Worker:
                 self.metrics.add(row["queue"], row["job_type"], "cancelled")
         running.sort(key=lambda r: (r["priority"], r["scheduled_at"], r["id"].int))  # ints: UUID.__lt__ is Python
         return running
+
+    def _limit_scopes(self) -> list[tuple[str, list[str]]]:
+        """Each limited type with its scopes, in the order every worker takes their locks: types by name,
+        '*' first, then queues by name (so that two workers never wait on each other in a circle)."""
+        by_type: dict[str, set[str]] = {}
+        for job_type, scope, _ in self._limits:
+            by_type.setdefault(job_type, set()).add(scope)
+        return [
+            (t, (["*"] if "*" in scopes else []) + sorted(x for x in scopes if x != "*"))
+            for t, scopes in sorted(by_type.items())
+        ]
+
+    def _claim_solo(self, conn: db.Conn) -> list[dict[str, Any]]:
+        """claim_solo, under the locks of every limit of this worker's types when there are any: its limit
+        check (full_limits) counts live leases in its own snapshot, and idle workers run it together after a
+        crash, each blind to the others' reclaims (three ran at once under a limit of 1)."""
+        scopes = self._limit_scopes()
+        if not scopes:
+            return conn.execute(queries["claim_solo"], self._claim_params(1)).fetchall()
+        with conn.transaction():
+            for job_type, order in scopes:
+                for scope in order:
+                    conn.execute(queries["limit_lock"], {"job_type": job_type, "scope": scope})
+            return conn.execute(queries["claim_solo"], self._claim_params(1)).fetchall()
 
     def _claim_limited(self, conn: db.Conn, free: int) -> list[dict[str, Any]]:
         """Claims for the job types with a global concurrency limit, one type at a time.
@@ -499,25 +527,34 @@ class Worker:
         with conn.transaction():
             self._paused = [r["name"] for r in conn.execute(queries["paused_queues"])]
         self._filters_at = time.monotonic()
-        if self._paused:
-            self._hold_paused(set(self._paused))
+        zero = {(t, scope) for t, scope, n in self._limits if n == 0}
+        if self._paused or zero:
+            self._hold_paused(set(self._paused), zero)
 
-    def _hold_paused(self, paused: set[str]) -> None:
-        """The jobs of a paused queue this worker claimed but has not begun (its prefetch: up to hundreds of
-        fast ones) are released, not started after the pause; those running go on."""
+    def _hold_paused(self, paused: set[str], zero: set[tuple[str, str]] | None = None) -> None:
+        """The jobs of a paused queue, or of a type a limit of 0 holds (the runbook's other "contain it"),
+        this worker claimed but has not begun (its prefetch: up to hundreds of fast ones) are released,
+        not started after the pause or the hold; those running go on."""
         with self._exec_lock:
             held = False
             for ex in list(self._in_flight.values()):
-                if not ex.begun and ex.ctx.cancel_reason is None and ex.job["queue"] in paused:
+                if ex.begun or ex.ctx.cancel_reason is not None:
+                    continue
+                queue, job_type = ex.job["queue"], ex.job["job_type"]
+                if queue in paused:
                     ex.ctx.cancel("paused")
-                    held = True
+                elif zero and ((job_type, "*") in zero or (job_type, queue) in zero):
+                    ex.ctx.cancel("held")
+                else:
+                    continue
+                held = True
         if held:
             # from a thread of its own: this one beats for the running jobs, whose leases must not wait
             # for a release retried through a database outage
             threading.Thread(target=self._give_back_queued, name="give-back", daemon=True).start()
 
     #: why a job claimed and not begun is given back without running (Slot._after_failure releases it)
-    GIVE_BACK_REASONS = ("paused", "shutdown")
+    GIVE_BACK_REASONS = ("paused", "held", "shutdown")
 
     def _give_back_queued(self) -> None:
         """The jobs a pause or a stop gives back that no slot has taken yet are released now, by this

@@ -445,3 +445,41 @@ def test_settling_and_heartbeats_find_the_running_jobs_by_id_not_through_the_run
     settled = conn.execute(queries["settle_succeeded_many"], settle_many_params(w, batch)).fetchall()
     assert {r["id"] for r in settled} == {r["id"] for r in claimed[1:]}
     assert row(conn, claimed[0]["id"])["state"] == "running"
+
+
+def test_a_limited_types_job_is_not_claimed_behind_the_whole_unlimited_backlog(conn: db.Conn, claimers: Any) -> None:
+    # the limited lane got the room the main claim left: none through a backlog, whatever the priorities
+    seed(conn, 300, priority=100)
+    urgent = enqueue(conn, "t.flaky", {}, priority=-100).id
+    ops.set_limit(conn, "t.flaky", 5, reason="at most 5 at once")
+    conn.commit()
+    claimed = claimers().claim(10)
+    assert claimed[0]["id"] == urgent and len(claimed) == 10
+
+
+def test_idle_workers_reclaiming_together_keep_a_limit(dsn: str, conn: db.Conn, claimers: Any) -> None:
+    # claim_solo checked the limit in its own snapshot, with no lock: after a crash, idle workers reclaimed
+    # one job each at the same moment, three running under a limit of 1
+    lease = {"timeout_seconds": 5, "visibility_timeout_seconds": VIS}
+    ids = [enqueue(conn, "t.ok", {}, clock=at(0), **lease).id for _ in range(3)]
+    conn.commit()
+    assert len(claimers(clock=at(0)).claim(3)) == 3  # a worker that then dies
+    ops.set_limit(conn, "t.ok", 1, reason="one at a time")
+    conn.commit()
+    rescuers = [claimers(clock=at(VIS + 1)) for _ in range(3)]
+    for w in rescuers:
+        w._refresh_claim_filters(w._conn_for_claims())
+        w._want_solo = True  # what a heartbeat that finds solo_work_waiting sets
+    barrier = threading.Barrier(3)
+
+    def claim(w: Worker) -> None:
+        barrier.wait()
+        w.claim(4)
+
+    threads = [threading.Thread(target=claim, args=(w,)) for w in rescuers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    live = "SELECT count(*) AS n FROM job_queue WHERE state = 'running' AND locked_until > %s AND id = ANY(%s)"
+    assert conn.execute(live, (at(VIS + 1).now(), ids)).fetchone() == {"n": 1}

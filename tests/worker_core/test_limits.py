@@ -153,3 +153,17 @@ def test_clearing_a_limit_its_task_declares_is_refused_with_what_to_do(dsn: str,
     with pytest.raises(ValueError, match="declared by its @task"):
         ops.clear_limit(conn, "t.limited", reason="lift it")
     assert [r["job_type"] for r in stats.limits(conn)] == ["t.limited"]  # still there: it said so
+
+
+def test_a_limit_of_zero_gives_back_the_jobs_a_worker_claimed_but_has_not_started(dsn: str, conn: db.Conn) -> None:
+    # the runbook's other "contain it": a pause gave its prefetched jobs back, a hold let them all start
+    ids = [enqueue(conn, "t.slow", {"seconds": 6.0}).id for _ in range(4)]
+    conn.commit()
+    states = "SELECT state FROM job_queue WHERE id = ANY(%s)"
+    with running_worker(dsn, concurrency=1, prefetch=3, heartbeat_interval=0.2, shutdown_grace=0):
+        wait_for(lambda: [r["state"] for r in conn.execute(states, (ids,))].count("running") == 4, 10,
+                 what="a claim of all four")  # fmt: skip
+        ops.set_limit(conn, "t.slow", 0, reason="INC: hold it")
+        conn.commit()
+        wait_for(lambda: [r["state"] for r in conn.execute(states, (ids,))].count("queued") == 3, 4,
+                 what="three given back")  # fmt: skip
