@@ -28,13 +28,13 @@ import logging
 import math
 import random
 import re
-import select
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import psycopg
+from psycopg.generators import execute as execute_generator
 from psycopg.types.json import Jsonb
 
 from worker_core import db
@@ -752,37 +752,42 @@ class Slot:
         self._exec(_RESET_SESSION % conn.idle_bound_ms, psycopg.pq.ExecStatus.COMMAND_OK, conn)
         conn.handler_used = conn.handler_used_in_tx = False
 
-    def _commit(self, conn: JobConnection | AsyncJobConnection) -> None:
+    def _commit(self, conn: JobConnection) -> None:
         """The worker's COMMIT of a job's (or group's) transaction; after handlers used ctx.tx, with the
         session's reset in the same round trip (_COMMIT_AND_RESET). The COMMIT's own result decides: a reset
         that fails after it leaves the flag set, and the reset has a round trip of its own before the next
-        job (_reset_session), as after a transaction that rolled back."""
+        job (_reset_session), as after a transaction that rolled back. The answer is waited for as psycopg
+        waits, the GIL released: libpq's own wait held it, and a slow COMMIT froze every thread of the
+        worker (its beats, the other slots, the watchdog)."""
         if not conn.handler_used:
-            if isinstance(conn, JobConnection):
-                conn.commit()
-                return
-            raise TypeError("an async connection commits through _acommit")
+            conn.commit()
+            return
         if self.abandoned:
             raise psycopg.OperationalError(ABANDONED)
-        pgconn = conn.pgconn
-        pgconn.send_query(_COMMIT_AND_RESET % conn.idle_bound_ms)
-        while pgconn.flush():  # psycopg's connections are non-blocking: what is left to send
-            select.select([], [pgconn.socket], [], 1.0)
-        results = []
-        while (res := pgconn.get_result()) is not None:
-            results.append(res)
+        with conn.lock:
+            conn.pgconn.send_query(_COMMIT_AND_RESET % conn.idle_bound_ms)
+            results = conn.wait(execute_generator(conn.pgconn))
+        self._committed(conn, results)
+
+    async def _acommit(self, aconn: db.AsyncConn) -> None:
+        """_commit for async jobs, waiting on the event loop."""
+        conn = cast(AsyncJobConnection, aconn)
+        if not conn.handler_used:
+            await aconn.commit()
+            return
+        if self.abandoned:
+            raise psycopg.OperationalError(ABANDONED)
+        async with conn.lock:
+            conn.pgconn.send_query(_COMMIT_AND_RESET % conn.idle_bound_ms)
+            results = await conn.wait(execute_generator(conn.pgconn))
+        self._committed(conn, results)
+
+    def _committed(self, conn: JobConnection | AsyncJobConnection, results: list[psycopg.pq.abc.PGresult]) -> None:
         committed = results[0] if results else None
         if committed is None or committed.status != psycopg.pq.ExecStatus.COMMAND_OK:
             raise self._failed(committed, conn)
         if all(r.status in (psycopg.pq.ExecStatus.COMMAND_OK, psycopg.pq.ExecStatus.TUPLES_OK) for r in results):
             conn.handler_used = conn.handler_used_in_tx = False
-
-    async def _acommit(self, aconn: db.AsyncConn) -> None:
-        conn = cast(AsyncJobConnection, aconn)
-        if conn.handler_used:
-            self._commit(conn)
-        else:
-            await aconn.commit()
 
     def _in_group_reset(self, conn: JobConnection) -> bytes:
         """What goes before a grouped job's savepoint: the last job's settings and temporary tables undone

@@ -612,3 +612,9 @@ def fail_slowly(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Takes its time, then fails (transient): its failure is settled when the test has cut the database."""
     time.sleep(payload.get("sleep", 1.0))
     raise TransientError("upstream 503")
+
+
+@worker_core.task("t.slow_commit", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
+def slow_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes a row whose deferred trigger takes its time at COMMIT (synchronous replication, a slow disk)."""
+    ctx.tx.execute("INSERT INTO slow_commit (job_id) VALUES (%s)", (ctx.job_id,))

@@ -451,3 +451,37 @@ def test_grouped_jobs_whose_deferred_triggers_read_their_set_local_end_up_alone_
     assert wt.start().join(60) == 0
     assert [state(dsn, j) for j in ids] == ["succeeded", "succeeded"]
     assert "t.tenant_local" in wt.worker._ungrouped
+
+
+def test_a_slow_commit_holds_up_no_other_thread_of_the_worker(dsn: str, conn: db.Conn) -> None:
+    # the commit that resets the session waited for its answer holding the GIL: every other thread of the
+    # worker (its beats, the other slots, the watchdog) froze for as long as the COMMIT took
+    import itertools
+    import threading
+    import time
+
+    conn.execute("""
+        CREATE TABLE slow_commit (job_id uuid);
+        CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$;
+        CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INITIALLY DEFERRED
+            FOR EACH ROW EXECUTE FUNCTION slow_commit();
+    """)
+    j = enqueue(conn, "t.slow_commit", {}).id
+    conn.commit()
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    threading.Thread(target=ticker, daemon=True).start()
+    try:
+        run_burst(dsn, group_max=1)
+    finally:
+        stop.set()
+    assert state(dsn, j) == "succeeded"
+    longest = max(b - a for a, b in itertools.pairwise(ticks))
+    assert longest < 1.0, f"the test's own thread stood still {longest:.2f}s"
