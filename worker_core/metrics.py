@@ -10,6 +10,8 @@ import threading
 from collections import defaultdict
 from typing import Any
 
+import psycopg
+
 from worker_core.clock import SYSTEM_CLOCK, Clock
 from worker_core.db import Conn
 from worker_core.sql import queries
@@ -123,14 +125,20 @@ class MetricsBuffer:
         try:
             while unknown:
                 xid, rows = unknown[0]
-                with conn.transaction():
-                    found = conn.execute(queries["xact_status"], {"xid": xid}).fetchone()
-                status = found["status"] if found else None
+                try:
+                    with conn.transaction():
+                        found = conn.execute(queries["xact_status"], {"xid": xid}).fetchone()
+                    status = found["status"] if found else None
+                except psycopg.errors.InvalidParameterValue:
+                    # "in the future": another server's (a failover to a replica behind it): not committed here
+                    status = None
                 if status == "in progress":  # its server process is still ending it: asked again next time
                     still.append(unknown[0])
-                elif status != "committed":  # aborted, or too old to be known: not counted
+                elif status != "committed":  # aborted, too old to be known, or unknown here: not counted
                     self.put_back(rows)
                 unknown.pop(0)
+        except psycopg.Error:
+            pass  # asked again at the next flush; this one goes on (failing, if the connection is gone)
         finally:
             with self._lock:
                 self._unknown = still + unknown + self._unknown
