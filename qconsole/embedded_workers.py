@@ -87,6 +87,15 @@ class EmbeddedWorker:
         return list(self.output)[-n:]
 
 
+def default_log_dir() -> Path | None:
+    """The user's own log directory, or None where there is none (no HOME, and a uid without a passwd
+    entry, as in a container): the workers' output is then shown only, never written."""
+    try:
+        return platformdirs.user_log_path("qconsole") / "workers"
+    except RuntimeError:
+        return None
+
+
 def open_private_log(path: Path) -> IO[str]:
     """``path`` opened to append, readable by this user only, in a directory of this user's that no one
     else can write to; never through a symbolic link. Raises OSError (with why) otherwise."""
@@ -134,7 +143,7 @@ class EmbeddedWorkers:
         self.command = list(command or [sys.executable, "-m", "qconsole", "worker"])
         # the user's own state directory, never a name in /tmp another local user could make first (and
         # point its files elsewhere) or read: the workers' output holds job data (errors, keys, tenants)
-        self.log_dir = log_dir or platformdirs.user_log_path("qconsole") / "workers"
+        self.log_dir = log_dir if log_dir is not None else default_log_dir()
         self.shutdown_grace = shutdown_grace
         self.extra_args = list(extra_args)
         self.env = env
@@ -178,7 +187,7 @@ class EmbeddedWorkers:
                 queues=tuple(q.strip() for q in queues if q.strip()),
                 concurrency=concurrency,
                 restart=restart,
-                log_path=self.log_dir / f"worker-{os.getpid()}-{number}.log",
+                log_path=self.log_dir / f"worker-{os.getpid()}-{number}.log" if self.log_dir else None,
             )
             self._workers[number] = w
         self._spawn(w)
@@ -232,8 +241,7 @@ class EmbeddedWorkers:
     def _read(self, w: EmbeddedWorker, proc: subprocess.Popen[bytes]) -> None:
         log: IO[str] | None = None
         try:
-            assert w.log_path is not None
-            log = open_private_log(w.log_path)
+            log = open_private_log(w.log_path) if w.log_path is not None else None
         except OSError as e:
             w.output.append(f"[its output is not written to {w.log_path}: {e}]")
             log = None

@@ -286,3 +286,23 @@ def test_embedded_workers_logs_are_private_and_never_followed_through_a_link(tmp
         os.chown(folder, 65534, 65534)
         with pytest.raises(PermissionError):
             open_private_log(folder / "worker-3.log")
+
+
+def test_a_console_with_no_home_directory_starts_its_workers_and_shows_their_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # no HOME and a uid without a passwd entry (a container): platformdirs raised, and the console died
+    # with a traceback before it opened
+    import platformdirs
+
+    def no_home(*_: Any, **__: Any) -> Path:
+        raise RuntimeError("could not determine the home directory for '~/.local/state'")
+
+    monkeypatch.setattr(platformdirs, "user_log_path", no_home)
+    launcher = EmbeddedWorkers("postgresql://unused", command=["sh", "-c", "echo hello", "worker"])
+    assert launcher.log_dir is None
+    w = launcher.start(["x.tasks"], restart=False)
+    deadline = time.monotonic() + 10
+    while w.exit_code is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "hello" in w.output and w.log_path is None
