@@ -17,6 +17,9 @@ in the same run. The table is also written to bench/results/ceilings.txt.
   (queries.sql), 100 jobs at a time, on the table as migrated: the server's side of a no-op job.
 - ``claim + settle, live + history``: the same on a narrow table of live jobs whose settlement deletes
   the row into a history table (pgqueuer's shape): what that structural change would save the server.
+- ``claim + settle, job_queue split``: the same split on job_queue as migrated (uuid ids, every column,
+  its live indexes), the finished-only indexes moved to a history table of the same shape: what the
+  change would save this project's own schema.
 """
 
 from __future__ import annotations
@@ -169,6 +172,60 @@ def _split_client(dsn: str, start: int, count: int, worker: str) -> None:
     conn.close()
 
 
+#: job_queue's indexes that only finished rows enter: a split moves them to the history table
+FINISHED_ONLY = (
+    "job_queue_dead_idx", "job_queue_finished_idx", "job_queue_unsuccessful_counts_idx",
+    "job_queue_unsuccessful_idx",
+)  # fmt: skip
+
+
+def _job_queue_split_setup(dsn: str, n: int) -> None:
+    """job_queue as migrated (its uuid ids, its columns, its live indexes), with a history table of the same
+    shape that takes the finished rows and their indexes: the split on the real schema, not a narrow one."""
+    _job_queue_setup(dsn, n)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE job_history (LIKE job_queue INCLUDING DEFAULTS)")
+        conn.execute("ALTER TABLE job_history ADD PRIMARY KEY (id)")
+        for name in FINISHED_ONLY:
+            definition = conn.execute("SELECT pg_get_indexdef(%s::regclass)", (name,)).fetchone()
+            assert definition is not None
+            conn.execute(f"DROP INDEX {name}")
+            conn.execute(definition[0].replace(" ON public.job_queue ", " ON public.job_history "))
+
+
+def _job_queue_split_client(dsn: str, start: int, count: int, worker: str) -> None:
+    from worker_core import db
+    from worker_core.sql import queries
+
+    conn = db.connect(dsn)
+    columns = [r["attname"] for r in conn.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = 'job_queue'::regclass AND attnum > 0"
+        " AND NOT attisdropped ORDER BY attnum"
+    )]  # fmt: skip
+    moved = ", ".join(
+        {"state": "'succeeded'", "finished_at": "now()", "locked_until": "NULL", "updated_at": "now()"}.get(c, c)
+        for c in columns
+    )
+    settle = (
+        "WITH done AS (DELETE FROM job_queue WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE"  # noqa: S608
+        f" AND locked_by = %(worker)s RETURNING *) INSERT INTO job_history SELECT {moved} FROM done"
+    )
+    claim = {
+        "worker": worker, "all_queues": True, "queues": [], "job_types": ["bench.noop"], "paused": [],
+        "limited_types": [], "limited_pairs": [], "limit": BATCH,
+    }  # fmt: skip
+    while True:
+        claim["now"] = dt.datetime.now(dt.timezone.utc)
+        rows = conn.execute(queries["claim"], claim).fetchall()
+        conn.commit()
+        if not rows:
+            break
+        ids = "{" + ",".join(str(r["id"]) for r in rows) + "}"
+        conn.execute(settle, {"ids": ids, "worker": worker})
+        conn.commit()
+    conn.close()
+
+
 def _child(target: Callable[..., None], args: tuple[Any, ...], out: Any) -> None:
     t0 = time.process_time()
     target(*args)
@@ -182,6 +239,9 @@ SCENARIOS: dict[str, tuple[Setup, ClientArgs, Callable[..., None]]] = {
     "effects, no savepoint": (_effects_setup, lambda d, s, c: (d, s, c, False), _effects_client),
     "claim + settle, job_queue": (_job_queue_setup, lambda d, s, c: (d, s, c, f"ceiling-{s}"), _job_queue_client),
     "claim + settle, live + history": (_split_setup, lambda d, s, c: (d, s, c, f"ceiling-{s}"), _split_client),
+    "claim + settle, job_queue split": (
+        _job_queue_split_setup, lambda d, s, c: (d, s, c, f"ceiling-{s}"), _job_queue_split_client
+    ),
 }
 
 
@@ -217,15 +277,17 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=20_000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dsn", help="the server (default: $QCONSOLE_BENCH_DSN, else the embedded one)")
+    p.add_argument("--only", action="append", help="run only this scenario (repeat); default: all")
     args = p.parse_args()
     server = Server.connect(args.dsn)
     pgbench = PgBench(server, 5) if available() else None
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in SCENARIOS}
+    names = [n for n in SCENARIOS if not args.only or n in args.only]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     ceiling: list[float] = []
     try:
         for r in range(args.rounds):
             log(f"round {r + 1}/{args.rounds}")
-            for name in SCENARIOS:
+            for name in names:
                 runs[name].append(measure(server, name, args.jobs))
                 log(f"  {name}: {runs[name][-1]['jobs_per_s']:,.0f} jobs/s")
             if pgbench is not None:
