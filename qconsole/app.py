@@ -268,6 +268,13 @@ def _default_tasks() -> tuple[str, ...]:
     return tuple(t.strip() for t in os.environ.get(TASKS_ENV, "").split(",") if t.strip())
 
 
+def console_launcher(dsn: str) -> EmbeddedWorkers:
+    """The launcher of the workers an operator starts from the console (s). They take no part in
+    housekeeping: its winner prunes the whole fleet's finished jobs with its own retention, and a worker
+    started here has the defaults (14 days of dead letters where the fleet keeps 90, say)."""
+    return EmbeddedWorkers(dsn, extra_args=["--no-housekeeping"])
+
+
 def run_console(
     dsn: str | None,
     read_only: bool,
@@ -283,7 +290,7 @@ def run_console(
     backend = DatabaseBackend(resolved, read_only=read_only)
     own_launcher = launcher is None and not read_only
     if own_launcher:
-        launcher = EmbeddedWorkers(resolved)
+        launcher = console_launcher(resolved)
     app = make_app(
         backend,
         refresh_seconds=refresh,

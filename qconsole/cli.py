@@ -402,8 +402,15 @@ def worker(
         str, typer.Option("--retention-failed", help="Prune failed/dead-lettered/cancelled jobs older than this.")
     ] = "14d",
     retention_metrics: Annotated[
-        str, typer.Option("--retention-metrics", help="Prune per-minute counters older than this.")
+        str, typer.Option("--retention-metrics", help="Prune per-minute counters older than this (1h at least).")
     ] = "90d",
+    housekeeping: Annotated[
+        bool,
+        typer.Option(
+            "--housekeeping/--no-housekeeping",
+            help="Take part in housekeeping: its winner prunes with its own --retention-* for the whole fleet.",
+        ),
+    ] = True,
     log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
     log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
     stop_on_stdin_eof: Annotated[
@@ -427,6 +434,14 @@ def worker(
     _import_tasks(modules)
     with connect(dsn, for_workers=True):
         pass  # reachable and migrated, by this version, before any process starts
+    try:
+        retention = Retention(
+            succeeded_seconds=parse_duration(retention_succeeded),
+            failed_seconds=parse_duration(retention_failed),
+            rollups_seconds=parse_duration(retention_metrics),
+        )
+    except ValueError as e:
+        fail(str(e), 2)
     config = WorkerConfig(
         dsn=db.configured_dsn(_dsn(dsn)),
         task_modules=modules,
@@ -439,11 +454,8 @@ def worker(
         poll_interval=poll_interval,
         heartbeat_interval=heartbeat,
         metrics_port=metrics_port,
-        retention=Retention(
-            succeeded_seconds=parse_duration(retention_succeeded),
-            failed_seconds=parse_duration(retention_failed),
-            rollups_seconds=parse_duration(retention_metrics),
-        ),
+        retention=retention,
+        housekeeping=housekeeping,
     )
     if stop_on_stdin_eof:
         _stop_on_stdin_eof(supervised=processes > 1)

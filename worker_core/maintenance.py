@@ -22,6 +22,7 @@ ROLLUP_LAG = dt.timedelta(minutes=2)
 
 #: a longer retention would not fit a timestamp once subtracted from "now" (inf and nan are refused too)
 MAX_RETENTION_SECONDS = 100 * 365 * 86400.0
+MIN_ROLLUPS_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class Retention:
             value = getattr(self, name)
             if not 0 <= value <= MAX_RETENTION_SECONDS:  # False for nan
                 raise ValueError(f"retention {name} must be between 0 and {MAX_RETENTION_SECONDS:g}, not {value!r}")
+        if self.rollups_seconds < MIN_ROLLUPS_SECONDS:
+            # the console's series read the last hour of them, its rates and the fleet's DLQ rate 15 minutes
+            raise ValueError(
+                f"the per-minute counters must be kept at least an hour (the console and the metrics read them),"
+                f" not {self.rollups_seconds:g}s"
+            )
         if not (self.batch >= 1 and self.max_batches >= 1 and 0 < self.round_seconds <= 3600):
             raise ValueError("retention batch and max_batches must be at least 1, round_seconds in (0, 3600]")
 
@@ -77,10 +84,12 @@ def rollup_enqueued(conn: Conn, now: dt.datetime) -> dt.datetime:
 
 
 def analyze_if_stale(conn: Conn, threshold: int = 1000) -> bool:
-    """ANALYZE job_queue when it never was, or changed by more than its own size since: a queue table goes
-    from empty to thousands of rows in a second, long before autovacuum looks at it."""
+    """ANALYZE job_queue when it never was, or changed by more than the rows its last ANALYZE saw: a queue
+    table goes from empty to thousands of rows in a second, long before autovacuum looks at it. (Compared
+    with its live rows, which an insert-only burst raises as much as its changes, a burst into a table
+    analyzed empty was never caught.)"""
     row = conn.execute(queries["job_queue_stats_age"]).fetchone()
-    if row is None or not (row["never"] or row["modified"] > max(threshold, row["live"])):
+    if row is None or not (row["never"] or row["modified"] > max(threshold, row["analyzed_rows"])):
         return False
     conn.execute(queries["analyze_job_queue"])
     return True
@@ -130,6 +139,21 @@ def prune_processed_keys(conn: Conn, now: dt.datetime, retention: Retention, dea
     """Expired idempotency records, in batches as prune_finished: a burst of keyed jobs expires all at
     once a retention later."""
     return _in_batches(conn, queries["prune_processed_keys"], {"now": now}, retention, deadline)
+
+
+#: how long the housekeeping winner's session may sit idle (in a transaction, or between batches)
+HOUSEKEEPING_IDLE_MS = 60_000
+
+
+def bound_idle(conn: Conn) -> None:
+    """A housekeeping winner that froze (SIGSTOP, a paused VM, a partition the server cannot see) held the
+    lock, and in a batch that batch's rows, for as long as it stayed frozen: no worker pruned, rolled up
+    or folded meanwhile. The server ends its session after a minute idle, in a transaction or (from
+    PostgreSQL 14) between batches; a round never idles that long."""
+    with conn.transaction():
+        conn.execute(f"SET idle_in_transaction_session_timeout = {int(HOUSEKEEPING_IDLE_MS)}")
+        if conn.info.server_version >= 140000:
+            conn.execute(f"SET idle_session_timeout = {int(HOUSEKEEPING_IDLE_MS)}")
 
 
 def _unlock(conn: Conn) -> None:

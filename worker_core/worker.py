@@ -114,6 +114,9 @@ class WorkerConfig:
     lock_contention_delay: float = 1.0
     idempotency_retention_seconds: float = 7 * 86400
     housekeeping_interval: float = 60.0
+    #: whether this worker takes part in housekeeping: the winner of a round prunes with its own retention,
+    #: for the whole fleet (a worker a console starts, with the defaults, takes no part)
+    housekeeping: bool = True
     worker_id: str | None = None
     application_name: str = "qconsole-worker"
     #: serve this worker's Prometheus counters and histograms on this port
@@ -243,9 +246,11 @@ class Worker:
             self._spawn(self._slot_main, f"slot-{i}", i)
         self._publish_contracts()
         self._heartbeat_once()  # before the heartbeat thread: they share its connection
-        self._first_housekeeping()
+        if self.config.housekeeping:
+            self._first_housekeeping()
         self._spawn(self._heartbeat_main, "heartbeat")
-        self._spawn(self._housekeeping_main, "housekeeping")
+        if self.config.housekeeping:
+            self._spawn(self._housekeeping_main, "housekeeping")
         self._spawn(self._watchdog_main, "watchdog")
         self._spawn(self.completer.run, "completer")
         self._spawn(self._listen_main, "listener")
@@ -929,6 +934,7 @@ class Worker:
                 name, timeout = self.config.application_name, HOUSEKEEPING_TIMEOUT_MS
                 with db.connect(self.dsn, application_name=name, statement_timeout_ms=timeout) as conn:
                     self._hk_conn = conn
+                    maintenance.bound_idle(conn)
                     self.housekeeping(conn)
             except psycopg.Error as e:
                 self.log.warning("housekeeping failed: %s", db.redact(str(e).strip(), self.dsn))

@@ -566,3 +566,23 @@ def test_the_demo_never_runs_on_a_database_the_environment_names(dsn: str, monke
         assert done.stdout.strip().splitlines()[-1].endswith(f"host={base / 'pg'}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_worker_without_housekeeping_prunes_nothing_and_the_console_starts_such_workers(
+    cli: Any, conn: db.Conn
+) -> None:
+    # the winner of a round prunes the fleet's finished jobs with its own retention: a worker started from
+    # the console, with the defaults, deleted the dead letters the fleet kept 90 days after 14
+    old = cli("enqueue", "t.ok").stdout.strip()
+    conn.execute(
+        "UPDATE job_queue SET state = 'dead_lettered', finished_at = now() - interval '20 days' WHERE id = %s", (old,)
+    )
+    conn.commit()
+    cli("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--no-housekeeping")
+    assert stats.get_job(conn, old).state == "dead_lettered"  # still there to read and requeue
+    out = cli("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--retention-metrics", "30m", code=2).output
+    assert "at least an hour" in out
+    from qconsole.app import console_launcher
+    from qconsole.embedded_workers import EmbeddedWorker
+
+    assert "--no-housekeeping" in console_launcher("postgresql://unused").argv(EmbeddedWorker(1, ("m",), (), 1))

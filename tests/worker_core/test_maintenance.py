@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+from typing import Any
 
 from worker_core import db, stats
 from worker_core.clock import FixedClock
@@ -192,3 +193,50 @@ def test_per_minute_counters_are_kept_for_their_retention_only(conn: db.Conn) ->
     housekeeping(conn, FixedClock(T0), Retention(rollups_seconds=90 * 86400, batch=1))
     kept = [r["minute"] for r in conn.execute("SELECT minute FROM job_metrics_minute ORDER BY minute")]
     assert kept == [T0 - dt.timedelta(days=31), T0 - dt.timedelta(days=1)]
+
+
+def test_the_counters_retention_is_at_least_the_hour_the_console_reads() -> None:
+    # 0 ("keep for ever" to many tools) deleted even the current minute's counters, at every round
+    import pytest
+
+    for seconds in (0, 1800):
+        with pytest.raises(ValueError, match="at least an hour"):
+            Retention(rollups_seconds=seconds)
+
+
+def test_a_burst_into_a_table_analyzed_empty_is_analyzed(conn: db.Conn) -> None:
+    # compared with its live rows, which an insert-only burst raises as much as its changes, it never was
+    from tests.worker_core.helpers import wait_for
+    from worker_core.maintenance import analyze_if_stale
+
+    conn.execute("ALTER TABLE job_queue SET (autovacuum_enabled = false)")  # housekeeping's own decision
+    conn.commit()
+    assert analyze_if_stale(conn)  # never analyzed: now, empty
+    conn.commit()
+    for first in range(0, 5000, 1000):
+        enqueue_many(conn, [("t.ok", {"i": i}) for i in range(first, first + 1000)])
+        conn.commit()
+    wait_for(lambda: analyze_if_stale(conn), 15, what="the burst to be analyzed")
+
+
+def test_a_frozen_housekeeping_winner_lets_go_of_the_lock(dsn: str, conn: db.Conn, monkeypatch: Any) -> None:
+    # a winner that froze (SIGSTOP, a paused VM) held the lock as long as it stayed frozen: no round ran
+    from tests.worker_core.helpers import FreezingProxy, wait_for
+    from worker_core import maintenance
+    from worker_core.maintenance import HOUSEKEEPING_LOCK
+    from worker_core.sql import queries
+
+    monkeypatch.setattr(maintenance, "HOUSEKEEPING_IDLE_MS", 1000)
+    proxy = FreezingProxy.before(dsn)
+    try:
+        winner = db.connect(proxy.dsn)
+        maintenance.bound_idle(winner)
+        with winner.transaction():
+            won = winner.execute(queries["try_housekeeping_lock"], {"key": HOUSEKEEPING_LOCK}).fetchone()
+        assert won == {"won": True}
+        assert housekeeping(conn, FixedClock(T0)) is None  # held
+        proxy.frozen.set()  # frozen between two batches, its session lock held
+        wait_for(lambda: housekeeping(conn, FixedClock(T0)) is not None, 15, what="the lock let go of")
+    finally:
+        proxy.frozen.clear()
+        proxy.close()

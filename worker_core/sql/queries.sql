@@ -868,9 +868,9 @@ DELETE FROM single_flight_results WHERE expires_at < %(now)s;
 -- name: job_queue_stats_age
 -- Whether the planner's statistics of job_queue are missing or stale (a burst from an empty table):
 -- with none, it sorts every ready job on each claim instead of walking the ready index.
-SELECT (last_analyze IS NULL AND last_autoanalyze IS NULL) AS never, n_mod_since_analyze AS modified,
-       greatest(n_live_tup, 1) AS live
-FROM pg_stat_user_tables WHERE relid = 'job_queue'::regclass;
+SELECT (s.last_analyze IS NULL AND s.last_autoanalyze IS NULL) AS never, s.n_mod_since_analyze AS modified,
+       greatest(c.reltuples, 1)::bigint AS analyzed_rows
+FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid WHERE s.relid = 'job_queue'::regclass;
 
 -- name: analyze_job_queue
 ANALYZE job_queue;
