@@ -614,6 +614,14 @@ class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
     handler_used = False
     handler_used_in_tx = False
 
+    def transaction(self, *args: Any, **kwargs: Any) -> Any:
+        """``ctx.tx.transaction()``, refused to a task of a finished job as its statements are: its
+        SAVEPOINT went into the next job's transaction, and its ROLLBACK TO, when its statement was refused,
+        took the next job's writes made since with it (that job settled succeeded without them)."""
+        _refuse_abandoned(self)
+        _refuse_left_over(self)
+        return super().transaction(*args, **kwargs)
+
     async def commit(self) -> None:
         _refuse(self.slot, "commit")
         _refuse_abandoned(self)  # its settlement too: the slot that replaced it settles the job
@@ -1689,6 +1697,13 @@ class Slot:
                         break
             finally:
                 self.handler_running = False
+            if handler.done():
+                # its timeout is over with it: its settlement and COMMIT (a deferred trigger, a standby that
+                # lags) are no handler time, as for sync jobs. The watchdog abandoned the slot in the
+                # middle of that COMMIT, and the job failed as a timeout, attempt after attempt
+                with self.w._exec_lock:
+                    if not ex.abandoned:
+                        ex.deadline = None
             if not handler.done():
                 self._forsake_loop(aconn)
             elif not handler.cancelled():

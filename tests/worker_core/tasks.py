@@ -618,3 +618,35 @@ def fail_slowly(ctx: JobContext, payload: dict[str, Any]) -> None:
 def slow_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Writes a row whose deferred trigger takes its time at COMMIT (synchronous replication, a slow disk)."""
     ctx.tx.execute("INSERT INTO slow_commit (job_id) VALUES (%s)", (ctx.job_id,))
+
+
+@worker_core.task("t.async_leaves_a_block", retry=FAST, timeout=5, reason="tests need fast, bounded retries")
+async def async_leaves_a_block(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes, then starts an audit write in a ``ctx.tx.transaction()`` block it does not await: the block
+    begins 0.3 s later, while the next job of the slot runs."""
+
+    async def audit() -> None:
+        await asyncio.sleep(0.3)
+        async with ctx.tx.transaction():
+            await asyncio.sleep(0.5)
+            await ctx.tx.execute("INSERT INTO ledger (job_id, item, attempt) VALUES (%s, 'audit', 1)", (ctx.job_id,))
+
+    await ctx.tx.execute("INSERT INTO ledger (job_id, item, attempt) VALUES (%s, 'A', %s)", (ctx.job_id, ctx.attempt))
+    _background.add(asyncio.ensure_future(audit()))
+
+
+@worker_core.task("t.async_steps", retry=FAST, timeout=10, reason="tests need fast, bounded retries")
+async def async_steps(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Two writes 0.6 s apart, then a pause."""
+    for item in ("b1", "b2"):
+        await ctx.tx.execute("INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
+                             (ctx.job_id, item, ctx.attempt))  # fmt: skip
+        await asyncio.sleep(0.6)
+
+
+@worker_core.task(
+    "t.async_slow_commit", retry=FAST, timeout=1, max_attempts=1, reason="tests need fast, bounded retries"
+)
+async def async_slow_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """t.slow_commit, async: its deferred trigger takes its time at COMMIT, after its timeout."""
+    await ctx.tx.execute("INSERT INTO slow_commit (job_id) VALUES (%s)", (ctx.job_id,))

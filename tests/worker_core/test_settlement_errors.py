@@ -485,3 +485,30 @@ def test_a_slow_commit_holds_up_no_other_thread_of_the_worker(dsn: str, conn: db
     assert state(dsn, j) == "succeeded"
     longest = max(b - a for a, b in itertools.pairwise(ticks))
     assert longest < 1.0, f"the test's own thread stood still {longest:.2f}s"
+
+
+def test_a_left_over_tasks_transaction_block_touches_nothing_of_the_next_job(dsn: str, conn: db.Conn) -> None:
+    # ctx.tx.transaction() was not refused to a finished job's task: its SAVEPOINT went into the next job's
+    # transaction, and its ROLLBACK TO took that job's later write with it; the job settled succeeded
+    a = enqueue(conn, "t.async_leaves_a_block", {}, priority=0).id
+    b = enqueue(conn, "t.async_steps", {}, priority=1, idempotency_key="kb").id
+    conn.commit()
+    run_burst(dsn, concurrency=1)
+    assert (state(dsn, a), state(dsn, b)) == ("succeeded", "succeeded")
+    assert sorted(r["item"] for r in ledger(dsn)) == ["A", "b1", "b2"]
+
+
+def test_an_async_jobs_slow_commit_is_no_part_of_its_timeout(dsn: str, conn: db.Conn) -> None:
+    # the watchdog kept its handler's deadline through the settlement: it abandoned the slot in the middle
+    # of the COMMIT, and the job failed as a timeout, attempt after attempt
+    conn.execute("""
+        CREATE TABLE slow_commit (job_id uuid);
+        CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN PERFORM pg_sleep(2.5); RETURN NULL; END $$;
+        CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INITIALLY DEFERRED
+            FOR EACH ROW EXECUTE FUNCTION slow_commit();
+    """)
+    j = enqueue(conn, "t.async_slow_commit", {}).id
+    conn.commit()
+    run_burst(dsn, cancel_grace=0.2)
+    assert (state(dsn, j), job(dsn, j)["attempts"]) == ("succeeded", 1), job(dsn, j)["errors"]
