@@ -126,6 +126,21 @@ def _job_queue_setup(dsn: str, n: int) -> None:
 
 
 def _job_queue_client(dsn: str, start: int, count: int, worker: str) -> None:
+    from worker_core.sql import queries
+
+    def settle(conn: Any, rows: list[dict[str, Any]], ids: str, now: dt.datetime) -> None:
+        fences = "{" + ",".join(f"{r['id']}/{r['attempts']}" for r in rows) + "}"
+        params = {"ids": ids, "fences": fences, "worker": worker, "now": now}
+        conn.execute(queries["settle_succeeded_many"], params).fetchall()
+
+    _drain_job_queue(dsn, worker, settle)
+
+
+Settle = Callable[[Any, list[dict[str, Any]], str, dt.datetime], Any]
+
+
+def _drain_job_queue(dsn: str, worker: str, settle: Settle) -> None:
+    """The worker's own claim of 100 at a time, each batch settled by ``settle`` in a transaction of its own."""
     from worker_core import db
     from worker_core.sql import queries
 
@@ -135,15 +150,12 @@ def _job_queue_client(dsn: str, start: int, count: int, worker: str) -> None:
         "limited_types": [], "limited_pairs": [], "limit": BATCH,
     }  # fmt: skip
     while True:
-        claim["now"] = dt.datetime.now(dt.timezone.utc)
+        claim["now"] = now = dt.datetime.now(dt.timezone.utc)
         rows = conn.execute(queries["claim"], claim).fetchall()
         conn.commit()
         if not rows:
             break
-        ids = "{" + ",".join(str(r["id"]) for r in rows) + "}"
-        fences = "{" + ",".join(f"{r['id']}/{r['attempts']}" for r in rows) + "}"
-        params = {"ids": ids, "fences": fences, "worker": worker, "now": claim["now"]}
-        conn.execute(queries["settle_succeeded_many"], params).fetchall()
+        settle(conn, rows, "{" + ",".join(str(r["id"]) for r in rows) + "}", now)
         conn.commit()
     conn.close()
 
@@ -195,7 +207,6 @@ def _job_queue_split_setup(dsn: str, n: int) -> None:
 
 def _job_queue_split_client(dsn: str, start: int, count: int, worker: str) -> None:
     from worker_core import db
-    from worker_core.sql import queries
 
     conn = db.connect(dsn)
     columns = [r["attname"] for r in conn.execute(
@@ -210,20 +221,8 @@ def _job_queue_split_client(dsn: str, start: int, count: int, worker: str) -> No
         "WITH done AS (DELETE FROM job_queue WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE"  # noqa: S608
         f" AND locked_by = %(worker)s RETURNING *) INSERT INTO job_history SELECT {moved} FROM done"
     )
-    claim = {
-        "worker": worker, "all_queues": True, "queues": [], "job_types": ["bench.noop"], "paused": [],
-        "limited_types": [], "limited_pairs": [], "limit": BATCH,
-    }  # fmt: skip
-    while True:
-        claim["now"] = dt.datetime.now(dt.timezone.utc)
-        rows = conn.execute(queries["claim"], claim).fetchall()
-        conn.commit()
-        if not rows:
-            break
-        ids = "{" + ",".join(str(r["id"]) for r in rows) + "}"
-        conn.execute(settle, {"ids": ids, "worker": worker})
-        conn.commit()
     conn.close()
+    _drain_job_queue(dsn, worker, lambda c, rows, ids, now: c.execute(settle, {"ids": ids, "worker": worker}))
 
 
 def _child(target: Callable[..., None], args: tuple[Any, ...], out: Any) -> None:

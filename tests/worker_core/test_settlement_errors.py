@@ -453,6 +453,17 @@ def test_grouped_jobs_whose_deferred_triggers_read_their_set_local_end_up_alone_
     assert "t.tenant_local" in wt.worker._ungrouped
 
 
+def slow_commits(conn: db.Conn, seconds: float) -> None:
+    """A table whose rows a deferred trigger checks for ``seconds`` at COMMIT (t.slow_commit writes one)."""
+    conn.execute(f"""
+        CREATE TABLE slow_commit (job_id uuid);
+        CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN PERFORM pg_sleep({float(seconds)}); RETURN NULL; END $$;
+        CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INITIALLY DEFERRED
+            FOR EACH ROW EXECUTE FUNCTION slow_commit();
+    """)
+
+
 def test_a_slow_commit_holds_up_no_other_thread_of_the_worker(dsn: str, conn: db.Conn) -> None:
     # the commit that resets the session waited for its answer holding the GIL: every other thread of the
     # worker (its beats, the other slots, the watchdog) froze for as long as the COMMIT took
@@ -460,13 +471,7 @@ def test_a_slow_commit_holds_up_no_other_thread_of_the_worker(dsn: str, conn: db
     import threading
     import time
 
-    conn.execute("""
-        CREATE TABLE slow_commit (job_id uuid);
-        CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$;
-        CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INITIALLY DEFERRED
-            FOR EACH ROW EXECUTE FUNCTION slow_commit();
-    """)
+    slow_commits(conn, 1.5)
     j = enqueue(conn, "t.slow_commit", {}).id
     conn.commit()
     ticks: list[float] = []
@@ -501,13 +506,7 @@ def test_a_left_over_tasks_transaction_block_touches_nothing_of_the_next_job(dsn
 def test_an_async_jobs_slow_commit_is_no_part_of_its_timeout(dsn: str, conn: db.Conn) -> None:
     # the watchdog kept its handler's deadline through the settlement: it abandoned the slot in the middle
     # of the COMMIT, and the job failed as a timeout, attempt after attempt
-    conn.execute("""
-        CREATE TABLE slow_commit (job_id uuid);
-        CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN PERFORM pg_sleep(2.5); RETURN NULL; END $$;
-        CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON slow_commit DEFERRABLE INITIALLY DEFERRED
-            FOR EACH ROW EXECUTE FUNCTION slow_commit();
-    """)
+    slow_commits(conn, 2.5)
     j = enqueue(conn, "t.async_slow_commit", {}).id
     conn.commit()
     run_burst(dsn, cancel_grace=0.2)
