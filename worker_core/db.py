@@ -56,14 +56,24 @@ def resolve_dsn(dsn: str | None = None) -> str:
     return start_embedded()
 
 
-#: to the last ``@`` of the URL: a password with an ``@`` of its own (unencoded) showed its tail
-_PASSWORD_IN_URL = re.compile(r"(://[^:/@\s]*:)[^\s]*(@)")
+#: a URL's user part up to the ``:`` its password begins after
+_URL_USER = re.compile(r"://[^:/@\s]*:")
 #: ``?password=...`` in a URL's query string, and ``password=...`` in a key=value DSN libpq cannot parse
 _PASSWORD_PARAM = re.compile(r"((?:^|[?&\s])password\s*=\s*)('(?:[^'\\]|\\.)*'|[^&\s]*)", re.IGNORECASE)
 
 
+def _mask_url(word: re.Match[str]) -> str:
+    """A word with a URL's password masked, to the word's last ``@`` (a password with an ``@`` of its own,
+    unencoded, showed its tail). Word by word, each read once: a regular expression spanning from the
+    ``://`` to the last ``@`` took quadratic time on a long word of ``://x:`` with no ``@``."""
+    text = word.group(0)
+    at = text.rfind("@")
+    user = _URL_USER.search(text, 0, at) if at > 0 else None
+    return text if user is None else text[: user.end()] + "***" + text[at:]
+
+
 def _mask(text: str) -> str:
-    return _PASSWORD_PARAM.sub(r"\1***", _PASSWORD_IN_URL.sub(r"\1***\2", text))
+    return _PASSWORD_PARAM.sub(r"\1***", re.sub(r"\S+", _mask_url, text) if "://" in text else text)
 
 
 def redact_dsn(dsn: str) -> str:
@@ -98,9 +108,14 @@ def _passwords_of(dsn: str) -> list[str]:
 
 
 def redact(text: str, dsn: str | None) -> str:
-    """Remove a DSN's password from an error message (and any DSN in it, whole or in part)."""
+    """Remove a DSN's password from an error message (and any DSN in it, whole or in part). A password
+    shorter than 4 characters is masked only where no letter, digit or dot touches it: masked everywhere, a
+    password ``1`` turned ``127.0.0.1`` into ``***27.0.0.***`` in every message."""
     for password in _passwords_of(dsn) if dsn else ():
-        text = text.replace(password, "***")
+        if len(password) < 4:
+            text = re.sub(rf"(?<![\w.]){re.escape(password)}(?![\w.])", "***", text)
+        else:
+            text = text.replace(password, "***")
     return _mask(text)
 
 

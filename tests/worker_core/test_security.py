@@ -28,6 +28,18 @@ def test_redaction_of_urls_and_keyword_dsns() -> None:
         assert SECRET not in db.redact_dsn(query) and "db.internal" in db.redact_dsn(query), db.redact_dsn(query)
 
 
+def test_redaction_of_short_passwords_and_of_several_urls() -> None:
+    # a one-character password is masked where it stands alone, not inside every address and number
+    dsn = "postgresql://u:1@127.0.0.1:1/db"
+    assert db.redact('connection to server at "127.0.0.1", port 1 failed: 1', dsn) == (
+        'connection to server at "127.0.0.1", port *** failed: ***'
+    )
+    # each URL of a message is masked, a password with an unencoded ``@`` to its last one
+    text = "tried postgresql://a:b@c@h1/x then redis://:pw@r:6379/0 and postgresql://k@h2/y"
+    assert db.redact(text, None) == "tried postgresql://a:***@h1/x then redis://:***@r:6379/0 and postgresql://k@h2/y"
+    assert db.redact("://x:" * 3 + " ://y:z", None) == "://x:" * 3 + " ://y:z"  # no ``@``: no password
+
+
 def test_a_worker_that_cannot_reach_its_database_never_logs_the_password(caplog: pytest.LogCaptureFixture) -> None:
     dsn = f"postgresql://app:{SECRET}@127.0.0.1:1/jobs?connect_timeout=1"
     caplog.set_level(logging.DEBUG)
