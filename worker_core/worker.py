@@ -528,18 +528,23 @@ class Worker:
 
     def _refresh_claim_filters(self, conn: db.Conn) -> None:
         """Paused queues and concurrency limits, as the claims' parameters."""
+        before = {(t, scope): n for t, scope, n in self._limits}
         self._refresh_limits(conn)
         with conn.transaction():
             self._paused = [r["name"] for r in conn.execute(queries["paused_queues"])]
         self._filters_at = time.monotonic()
-        zero = {(t, scope) for t, scope, n in self._limits if n == 0}
-        if self._paused or zero:
-            self._hold_paused(set(self._paused), zero)
+        # a limit of 0 holds its type for as long as it stands; one set or lowered since the last reading
+        # gives back once what this worker claimed under the room it had before
+        holding = {(t, scope) for t, scope, n in self._limits if n == 0 or n < before.get((t, scope), n + 1)}
+        if self._paused or holding:
+            self._hold_paused(set(self._paused), holding)
 
-    def _hold_paused(self, paused: set[str], zero: set[tuple[str, str]] | None = None) -> None:
+    def _hold_paused(self, paused: set[str], holding: set[tuple[str, str]] | None = None) -> None:
         """The jobs of a paused queue, or of a type a limit of 0 holds (the runbook's other "contain it"),
         this worker claimed but has not begun (its prefetch: up to hundreds of fast ones) are released,
-        not started after the pause or the hold; those running go on."""
+        not started after the pause or the hold; those running go on. So are those of a type whose limit
+        was just set or lowered (in ``holding`` with those a limit of 0 holds): claimed under the room the
+        limit left before, they would all have started; given back, they are claimed again within it."""
         with self._exec_lock:
             held = False
             for ex in list(self._in_flight.values()):
@@ -548,7 +553,7 @@ class Worker:
                 queue, job_type = ex.job["queue"], ex.job["job_type"]
                 if queue in paused:
                     ex.ctx.cancel("paused")
-                elif zero and ((job_type, "*") in zero or (job_type, queue) in zero):
+                elif holding and ((job_type, "*") in holding or (job_type, queue) in holding):
                     ex.ctx.cancel("held")
                 else:
                     continue

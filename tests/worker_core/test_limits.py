@@ -167,3 +167,23 @@ def test_a_limit_of_zero_gives_back_the_jobs_a_worker_claimed_but_has_not_starte
         conn.commit()
         wait_for(lambda: [r["state"] for r in conn.execute(states, (ids,))].count("queued") == 3, 4,
                  what="three given back")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_lowered_limit_gives_back_the_jobs_claimed_under_the_room_it_had_before(dsn: str, conn: db.Conn) -> None:
+    # an operator protecting a struggling downstream lowers 4 to 1: the three claimed and not started ran
+    # anyway, four at once, for as long as their worker held them
+    ids = [enqueue(conn, "t.slow", {"seconds": 6.0}).id for _ in range(4)]
+    ops.set_limit(conn, "t.slow", 4, reason="normal")
+    conn.commit()
+    states = "SELECT state FROM job_queue WHERE id = ANY(%s)"
+    with running_worker(dsn, concurrency=1, prefetch=3, heartbeat_interval=0.2, shutdown_grace=0):
+        wait_for(lambda: [r["state"] for r in conn.execute(states, (ids,))].count("running") == 4, 10,
+                 what="a claim of all four")  # fmt: skip
+        ops.set_limit(conn, "t.slow", 1, reason="INC: downstream struggling")
+        conn.commit()
+        wait_for(lambda: [r["state"] for r in conn.execute(states, (ids,))].count("queued") == 3, 4,
+                 what="three given back")  # fmt: skip
+        # within the new limit: the one running holds the room, none of the three is claimed again
+        assert [r["state"] for r in conn.execute(states, (ids,))].count("running") == 1
+        assert scalar(dsn, "SELECT count(*) FROM job_queue WHERE state = 'queued' AND attempts = 0") == 3
