@@ -1845,6 +1845,8 @@ class Slot:
         if row["state"] != state:  # killed meanwhile: not retried, not dead-lettered
             state, scheduled_at = row["state"], None
             ctx.logger.info("killed while it ran: cancelled")
+        if scheduled_at is not None:
+            w.comes_due((scheduled_at - now).total_seconds())
         q, jt = job["queue"], job["job_type"]
         if kind == "timeout":
             w.metrics.add(q, jt, "timeouts")
@@ -1857,7 +1859,10 @@ class Slot:
 
     def release(self, ex: Execution, delay: float) -> None:
         params = {**self._fence(ex), "scheduled_at": self.w.clock.now() + dt.timedelta(seconds=delay)}
-        if self._write(queries["release_job"], params, ex) is False:
+        written = self._write(queries["release_job"], params, ex)
+        if written:
+            self.w.comes_due(delay)
+        elif written is False:
             # refused: another worker holds the job, or an operator killed it before this worker saw the
             # flag (a shutdown shorter than a heartbeat). A killed job must never run again: settle it
             # cancelled (fenced too, so a job another worker holds is left alone)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import json
 import os
 import queue as queue_mod
@@ -190,6 +191,12 @@ class Worker:
         #: a burst run does not end before this (monotonic) time: a job it gave back on lock contention is
         #: queued a little in the future, which ``burst_remaining`` does not count as work still to do
         self._burst_hold_until = 0.0
+        #: (monotonic) times at which jobs this worker put back come due (retries, lock contention): an
+        #: idle worker wakes for them, where nothing notifies (NOTIFY comes with inserts only); and until
+        #: when the claim loop sleeps, if it does
+        self._due: list[float] = []
+        self._due_lock = threading.Lock()
+        self._idle_until = 0.0
         self.zombies = 0
         self.claimed_total = 0
         #: claim statements that returned jobs, and groups committed: claimed_total / these = batch sizes
@@ -684,6 +691,7 @@ class Worker:
             limit = min(self._room(), self.batch_size)
             free = self.capacity - self._load
             self._wake.clear()
+            claimed_at = time.monotonic()
             try:
                 rows = self.claim(limit)
                 backoff = 0.0
@@ -712,10 +720,32 @@ class Worker:
             ):
                 self.log.info("burst: nothing ready or running, exiting")
                 break
-            self._wake.wait(self._idle_wait())
+            wait = self._idle_wait(claimed_at)
+            self._idle_until = time.monotonic() + wait
+            self._wake.wait(wait)
+            self._idle_until = 0.0
 
-    def _idle_wait(self) -> float:
-        return self.config.poll_interval * random.uniform(0.9, 1.1)
+    def _idle_wait(self, claimed_at: float) -> float:
+        """A poll interval, or less when a job this worker put back comes due sooner (the claim that began
+        at ``claimed_at`` found those due before it)."""
+        wait = self.config.poll_interval * random.uniform(0.9, 1.1)
+        with self._due_lock:
+            while self._due and self._due[0] <= claimed_at:
+                heapq.heappop(self._due)
+            if self._due:
+                wait = min(wait, max(0.0, self._due[0] - time.monotonic()) + 0.005)
+        return wait
+
+    def comes_due(self, delay: float) -> None:
+        """A job this worker put back comes due in ``delay`` seconds (a retry, a lock's contention): the
+        claim loop wakes for it then, not up to a poll interval later (a job serialised behind a lock key
+        lost up to a second at each turn). Any worker may claim it; this one at least looks."""
+        due = time.monotonic() + max(0.0, delay)
+        with self._due_lock:
+            if len(self._due) < 10_000:
+                heapq.heappush(self._due, due)
+        if due < self._idle_until:
+            self._wake.set()
 
     def _burst_done(self) -> bool:
         """Nothing ready or running for this worker. A database error is not an answer: not done."""

@@ -468,6 +468,21 @@ def test_retry_delays_follow_the_policy(conn: db.Conn, dsn: str, policy: Any, de
     assert job(dsn, j)["attempts"] == len(delays) + 1
 
 
+@pytest.mark.parametrize("how", ["retry", "lock"])
+def test_a_job_put_back_for_a_moment_runs_when_due_not_a_poll_later(conn: db.Conn, dsn: str, how: str) -> None:
+    # nothing notifies a retry or a lock's contention coming due (NOTIFY comes with inserts): an idle worker
+    # found them at its next poll, and jobs serialised behind one lock key waited up to a poll at each turn
+    if how == "retry":
+        ids = [enqueue(conn, "t.flaky", {"fail_times": 2}).id]  # retried twice, 0.05 s apart
+    else:  # the second waits for the first's lock, its turn due again in ~0.2 s, as the first ends
+        ids = [enqueue(conn, "t.slow", {"seconds": s}, lock_key="order:1").id for s in (0.1, 0.0)]
+    conn.commit()
+    with running_worker(dsn, poll_interval=60, lock_contention_delay=0.2, concurrency=2):
+        wait_for(lambda: all(state(dsn, j) == "succeeded" for j in ids), 20, what="the jobs put back")
+    if how == "retry":
+        assert job(dsn, ids[0])["attempts"] == 3
+
+
 def test_retry_jitter_stays_within_its_bounds(conn: db.Conn, dsn: str) -> None:
     clock = FixedClock(dt.datetime.now(dt.timezone.utc).replace(microsecond=0))
     policy = RetryPolicy("exponential", base_seconds=10, max_delay_seconds=12, jitter=0.5)
