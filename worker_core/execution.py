@@ -1606,10 +1606,13 @@ class Slot:
         except BaseException as e:  # SystemExit, KeyboardInterrupt, MemoryError... all belong to the job
             error = e
         self._end_handler(ex)
+        # told to stop, a handler that stops by raising (``if ctx.wait_cancelled(...): raise ...``, the usual
+        # way) stops for that reason, as one that returns: given back uncharged at a shutdown, a timeout
+        # counted as one (its own error was charged, and dead-lettered a job on its last attempt)
+        if ctx.cancelled and not (isinstance(error, Cancelled) and error.reason == FOUND_ASYNC):
+            raise HandlerFailure(self._cancel_exc(ex))
         if error is not None:
             raise HandlerFailure(error)
-        if ctx.cancelled:
-            raise HandlerFailure(self._cancel_exc(ex))
 
     def _cancel_exc(self, ex: Execution) -> BaseException:
         reason = ex.ctx.cancel_reason or "cancelled"

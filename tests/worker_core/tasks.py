@@ -176,6 +176,8 @@ def slow(ctx: JobContext, payload: dict[str, Any]) -> None:
     deadline = time.monotonic() + payload.get("seconds", 5)
     while time.monotonic() < deadline:
         if ctx.wait_cancelled(0.05):
+            if payload.get("raise_when_cancelled"):  # the other way handlers honour it
+                raise TransientError(f"interrupted: {ctx.cancel_reason}")
             return
     if payload.get("ledger"):
         _ledger(ctx, payload)

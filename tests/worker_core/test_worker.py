@@ -1003,6 +1003,19 @@ def test_sigterm_lets_the_running_job_finish_within_grace_and_exits_0(
     assert scalar(dsn, "SELECT stopped_at IS NOT NULL FROM workers") is True
 
 
+@pytest.mark.parametrize("how", ["returns", "raises"])
+def test_a_handler_stopped_by_a_shutdown_is_released_uncharged_however_it_stops(
+    conn: db.Conn, dsn: str, how: str
+) -> None:
+    # one that raised when told to stop (the usual way) was charged an attempt: its last one dead-lettered it
+    j = enqueue(conn, "t.slow", {"seconds": 60, "raise_when_cancelled": how == "raises"}, max_attempts=1).id
+    conn.commit()
+    with running_worker(dsn, shutdown_grace=0.5):
+        wait_for(lambda: state(dsn, j) == "running", 10, what="the job to start")
+    row = job(dsn, j)
+    assert (row["state"], row["attempts"], row["errors"]) == ("queued", 0, [])
+
+
 def test_sigterm_with_a_short_grace_releases_the_job_with_its_attempt(
     conn: db.Conn, dsn: str, tmp_path: Path
 ) -> None:
