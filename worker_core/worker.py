@@ -69,6 +69,10 @@ WATCHDOG_TICK = 0.05
 #: in no-op and write drains on 2 cores, 3 x concurrency jobs in flight kept one or two groups running at a
 #: time, and about 8 groups' worth was where throughput stopped rising (bench/README, "What changed")
 GROUPS_IN_FLIGHT = 8
+#: how long a busy worker stops claiming to drain for solo work (a lease expired, a suspect) it saw waiting,
+#: once while it stays waiting: then it claims again, and runs the solo claim whenever it finds itself idle
+#: (a fleet of long jobs stopped taking new work for as long as its longest job ran)
+SOLO_DRAIN_SECONDS = 30.0
 CLAIM_RUN = queries["claim_run"].encode()
 PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
@@ -179,6 +183,10 @@ class Worker:
         self._claim_prepared: tuple[dict[str, Any], Callable[[bytes], bytes]] | None = None
         #: lease-expired jobs or suspects are waiting: drain, then claim one to run alone
         self._want_solo = True
+        #: until when (monotonic) the worker drains for solo work, claiming nothing while jobs are in flight:
+        #: SOLO_DRAIN_SECONDS from the beat that found solo work, once while it stays waiting
+        self._solo_drain_until = 0.0
+        self._solo_seen = False
         #: (job_type, queue scope, max running) of the limited types this worker handles; refreshed on heartbeats
         self._limits: list[tuple[str, str, int]] = []
         #: types whose group commit the server refused for something a job did, until when (Worker.ungroup)
@@ -666,7 +674,7 @@ class Worker:
         """Not while a job runs alone, nor while draining for one; else when a slot is free."""
         if self._solo_in_flight:
             return False
-        if self._want_solo and self._in_flight:
+        if self._want_solo and self._in_flight and time.monotonic() < self._solo_drain_until:
             return False
         room = self._room()
         if room <= 0:
@@ -936,12 +944,28 @@ class Worker:
         self.metrics.flush(conn)
         if not final:
             self._refresh_claim_filters(conn)
-        if not final and not self._want_solo:
-            with conn.transaction():
-                row = conn.execute(queries["solo_work_waiting"], self._claim_params(1)).fetchone()
-            if row and row["waiting"]:
+        if not final:
+            self._look_for_solo_work(conn)
+
+    def _look_for_solo_work(self, conn: db.Conn) -> None:
+        """On each beat: whether solo work waits (a lease expired, a suspect: solo_work_waiting looks at the
+        whole fleet's jobs). Found, the worker drains for it, for SOLO_DRAIN_SECONDS at most while it stays
+        waiting; gone (another worker took it), the worker claims again at once. The mark stayed until this
+        worker's own longest job ended: one dead worker stopped every busy worker of the fleet from taking
+        new work for as long as its longest job ran, long after another had healed the orphan."""
+        with conn.transaction():
+            row = conn.execute(queries["solo_work_waiting"], self._claim_params(1)).fetchone()
+        waiting = bool(row and row["waiting"])
+        with self._slot_free:
+            if waiting and not self._want_solo:
                 self._want_solo = True
+                if not self._solo_seen:
+                    self._solo_drain_until = time.monotonic() + SOLO_DRAIN_SECONDS
                 self._wake.set()
+            elif not waiting and self._want_solo and self._in_flight:
+                self._want_solo = False
+                self._slot_free.notify_all()
+            self._solo_seen = waiting
 
     def _first_housekeeping(self) -> None:
         """The round at start, before the first claim (a fresh table's statistics: see

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import worker_core.worker
 from tests.worker_core.helpers import job, ledger, running_worker, scalar, spawn_python, state, wait_for
 from worker_core import db
 from worker_core.producer import enqueue
@@ -79,3 +80,50 @@ def test_a_frozen_worker_loses_its_job_and_cannot_settle_it_when_it_wakes(
             frozen.wait(10)
     assert [r["item"] for r in ledger(dsn)] == ["once"]
     assert state(dsn, jid) == "succeeded"
+
+
+def test_a_busy_worker_claims_again_once_another_healed_the_orphan_it_drained_for(dsn: str, conn: db.Conn) -> None:
+    # a worker that saw an expired lease stopped claiming until its own longest job ended, long after an
+    # idle worker had taken the orphan: one dead worker held up the busy part of the fleet
+    slow = enqueue(conn, "t.slow", {"seconds": 20}).id
+    orphan = enqueue(conn, "t.ok", {}, queue="solo").id
+    conn.commit()
+    with running_worker(dsn, heartbeat_interval=0.2, queues=("default", "solo")) as busy:
+        wait_for(lambda: state(dsn, slow) == "running", 10, what="the long job to start")
+        conn.execute(
+            "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'gone:1:dead',"
+            " locked_until = now() - interval '1 minute' WHERE id = %s",
+            (orphan,),
+        )
+        conn.commit()
+        wait_for(lambda: busy._want_solo, 10, what="the busy worker to see the orphan")
+        with running_worker(dsn, heartbeat_interval=0.2, queues=("solo",)):
+            wait_for(lambda: state(dsn, orphan) == "succeeded", 10, what="the idle worker to heal it")
+        fresh = [enqueue(conn, "t.ok", {}).id for _ in range(3)]
+        conn.commit()
+        wait_for(lambda: all(state(dsn, j) == "succeeded" for j in fresh), 10, what="the fresh jobs")
+        assert state(dsn, slow) == "running"
+
+
+def test_a_busy_worker_drains_for_solo_work_for_a_bounded_time(
+    dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nobody idle to take the orphan: the busy worker claims again after its drain (30 s, 1 s here), and
+    # takes the orphan when it finds itself idle
+    monkeypatch.setattr(worker_core.worker, "SOLO_DRAIN_SECONDS", 1.0)
+    slow = enqueue(conn, "t.slow", {"seconds": 20}).id
+    orphan = enqueue(conn, "t.ok", {}).id
+    conn.commit()
+    with running_worker(dsn, heartbeat_interval=0.2) as busy:
+        wait_for(lambda: state(dsn, slow) == "running", 10, what="the long job to start")
+        conn.execute(
+            "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'gone:1:dead',"
+            " locked_until = now() - interval '1 minute' WHERE id = %s",
+            (orphan,),
+        )
+        conn.commit()
+        wait_for(lambda: busy._want_solo, 10, what="the busy worker to see the orphan")
+        fresh = [enqueue(conn, "t.ok", {}).id for _ in range(3)]
+        conn.commit()
+        wait_for(lambda: all(state(dsn, j) == "succeeded" for j in fresh), 10, what="the fresh jobs")
+        assert (state(dsn, slow), job(dsn, orphan)["locked_by"]) == ("running", "gone:1:dead")
