@@ -19,6 +19,20 @@ MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 #: the advisory lock's key: "qconsole" in ASCII, as a bigint
 LOCK_KEY = 0x71636F6E736F6C
 
+#: Checksums of earlier forms of a migration, accepted as applied. 0009 was edited in place (commits
+#: 7a7871b, d4f85ae and 8374408), then put back to a form of its own (7783b20): a database that applied an
+#: earlier form failed the checksum for ever, and its workers refused to start. Each of those forms drops
+#: job_queue_updated_idx and builds job_queue_waiting_updated_idx, which 0010 drops and builds again in its
+#: final form, so the schema after 0010 is the same whichever form ran. A form is added here only when
+#: what it did is undone or redone by a later migration.
+EARLIER_CHECKSUMS: dict[int, frozenset[str]] = {
+    9: frozenset({
+        "69c9b07905a7dff02dfe11cf9a461ddad7e79b8870ee6c97b5998d99be857b73",  # 7a7871b
+        "8a617e12e55fd36b6b9344e3493e9d2b955f26b689e9924022b36a91baea4807",  # d4f85ae
+        "8fa871a4ba1b1c61d028dc2e174c2ddbe3f795068bac16adaa8a7ca013391c88",  # 8374408
+    }),
+}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Migration:
@@ -29,6 +43,10 @@ class Migration:
     @property
     def checksum(self) -> str:
         return hashlib.sha256(self.sql.encode()).hexdigest()
+
+    def matches(self, applied_checksum: str) -> bool:
+        """Whether what a database applied under this version is this file (or an accepted earlier form)."""
+        return applied_checksum == self.checksum or applied_checksum in EARLIER_CHECKSUMS.get(self.version, ())
 
 
 def migrations_dir() -> Traversable:
@@ -106,7 +124,7 @@ def _apply(conn: Conn, pending: list[Migration], *, everything: bool) -> list[Mi
     applied: list[Migration] = []
     for mig in pending:
         if mig.version in done:
-            if done[mig.version] != mig.checksum:
+            if not mig.matches(done[mig.version]):
                 raise RuntimeError(
                     f"migration {mig.version:04d}_{mig.name} changed after it was applied; "
                     "migrations are forward-only: add a new one instead"
@@ -132,7 +150,7 @@ def pending_migrations(conn: Conn) -> list[Migration]:
 def changed_migrations(conn: Conn) -> list[Migration]:
     """Applied migrations whose file differs from what was applied (this code is not the schema's)."""
     done = applied_versions(conn)
-    return [m for m in load_migrations() if m.version in done and done[m.version] != m.checksum]
+    return [m for m in load_migrations() if m.version in done and not m.matches(done[m.version])]
 
 
 def unknown_migrations(conn: Conn) -> list[int]:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.worker_core.helpers import ROOT, subprocess_env
 from worker_core import db
-from worker_core.migrate import load_migrations, migrate, migrations_dir, pending_migrations
+from worker_core.migrate import changed_migrations, load_migrations, migrate, migrations_dir, pending_migrations
 
 REPO_MIGRATIONS = ROOT / "migrations"
 
@@ -107,6 +107,33 @@ def test_an_applied_migration_that_changed_is_refused(empty_dsn: str, tmp_path: 
             migrate(conn, folder)
         conn.rollback()
         assert schema_dump(conn) == before
+
+
+OLD_FORMS = sorted((Path(__file__).parent / "old_migrations").glob("*.sql"))
+
+
+@pytest.mark.parametrize("old", OLD_FORMS, ids=[p.name.split(".")[1] for p in OLD_FORMS])
+def test_a_database_migrated_by_an_earlier_form_of_0009_is_upgraded(empty_dsn: str, tmp_path: Path, old: Path) -> None:
+    # 0009 was edited in place (commits 7a7871b, d4f85ae, 8374408), then put back to a form of its own:
+    # a database that applied one of the earlier forms failed the checksum for ever (exit 3, workers
+    # refused to start). The old code applied the file of its day and recorded that file's checksum.
+    folder = tmp_path / "migrations"
+    folder.mkdir()
+    for f in REPO_MIGRATIONS.glob("*.sql"):
+        if int(f.name[:4]) < 9:
+            shutil.copy(f, folder / f.name)
+    shutil.copy(old, folder / "0009_waiting_activity_index.sql")
+    with db.connect(empty_dsn) as conn:
+        assert [m.version for m in migrate(conn, folder)][-1] == 9
+        assert changed_migrations(conn) == []  # commands said it differed; workers refused to start
+        applied = migrate(conn)
+        assert [m.version for m in applied] == [m.version for m in load_migrations() if m.version > 9]
+        assert changed_migrations(conn) == [] and pending_migrations(conn) == []
+        index = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'job_queue_waiting_updated_idx'"
+        ).fetchone()
+        assert index is not None and "updated_at DESC, id" in index["indexdef"]  # 0010 rebuilt it
+        conn.commit()
 
 
 def test_a_new_file_is_applied_forward_and_a_failing_one_leaves_no_trace(empty_dsn: str, tmp_path: Path) -> None:
