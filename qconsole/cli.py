@@ -21,7 +21,7 @@ import typer
 from qconsole import output
 from worker_core import db, ops, stats
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
-from worker_core.migrate import changed_migrations, pending_migrations, unknown_migrations
+from worker_core.migrate import MigrationFailed, changed_migrations, pending_migrations, unknown_migrations
 from worker_core.migrate import migrate as run_migrations
 from worker_core.models import ActionResult, JobState
 
@@ -88,8 +88,11 @@ def connect(
         if pending:
             if configured is None and not _ROOT["read_only"]:
                 # the embedded server is ours: bring its schema up to date (a first `qconsole stats` too)
-                with db.connect(target, application_name="qconsole-migrate") as mconn:
-                    run_migrations(mconn)
+                try:
+                    with db.connect(target, application_name="qconsole-migrate") as mconn:
+                        run_migrations(mconn)
+                except MigrationFailed as e:
+                    _migration_failed(e, target)
             else:
                 names = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
                 fail(f"the database needs migrations ({names}): run `qconsole migrate`", 3)
@@ -260,6 +263,8 @@ def migrate(dsn: DsnOpt = None) -> None:
     try:
         with conn:
             applied = run_migrations(conn)
+    except MigrationFailed as e:
+        _migration_failed(e, target)
     except psycopg.OperationalError as e:
         fail(f"lost the database while migrating: {db.redact(str(e).strip(), target)}", 3)
     except RuntimeError as e:  # an applied migration that changed: forward-only
@@ -273,6 +278,21 @@ def migrate(dsn: DsnOpt = None) -> None:
         typer.echo("up to date")
     with contextlib.suppress(psycopg.Error), db.connect(target, application_name="qconsole-migrate") as conn:
         _warn_if_newer(conn)
+
+
+def _migration_failed(e: MigrationFailed, target: str) -> NoReturn:
+    """Which migration failed and why, and those applied before it (committed: they stay)."""
+    for m in e.applied:
+        typer.echo(f"applied {m.label}")
+    error = db.redact(str(e.error).strip(), target)
+    before = ", ".join(m.label for m in e.applied) or "none"
+    if isinstance(e.error, psycopg.errors.QueryCanceled):
+        why = f"migration {e.migration.label} was cancelled, nothing of it was applied: {error}"
+    elif isinstance(e.error, psycopg.OperationalError):
+        why = f"lost the database while migrating {e.migration.label}: {error}"
+    else:
+        why = f"migration {e.migration.label} failed, nothing of it was applied: {error}"
+    fail(f"{why}\napplied before it: {before}", 3)
 
 
 # ------------------------------------------------------------------------------------------------ producing

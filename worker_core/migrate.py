@@ -41,12 +41,28 @@ class Migration:
     sql: str
 
     @property
+    def label(self) -> str:
+        return f"{self.version:04d}_{self.name}"
+
+    @property
     def checksum(self) -> str:
         return hashlib.sha256(self.sql.encode()).hexdigest()
 
     def matches(self, applied_checksum: str) -> bool:
         """Whether what a database applied under this version is this file (or an accepted earlier form)."""
         return applied_checksum == self.checksum or applied_checksum in EARLIER_CHECKSUMS.get(self.version, ())
+
+
+class MigrationFailed(Exception):
+    """A migration the server refused, or could not finish: it rolled back, nothing of it stays. ``applied``:
+    those this run applied before it, each committed by itself (none inside a transaction of the caller's,
+    which undid them with it); ``error``: the server's error, also the ``__cause__``."""
+
+    def __init__(self, migration: Migration, applied: list[Migration], error: psycopg.Error) -> None:
+        super().__init__(f"{migration.label}: {str(error).strip()}")
+        self.migration = migration
+        self.applied = applied
+        self.error = error
 
 
 def migrations_dir() -> Traversable:
@@ -85,23 +101,40 @@ def migrate(conn: Conn, folder: Traversable | None = None) -> list[Migration]:
     never migrate at once, and one applies everything). In one transaction, a late migration that failed
     undid the earlier ones, and the ACCESS EXCLUSIVE locks of the first (0009-0011 drop and build indexes of
     job_queue) were held until the last committed: every claim and every console read waited for all of
-    them. Inside a transaction of the caller's, everything goes in it (each migration in a savepoint)."""
+    them. Inside a transaction of the caller's, everything goes in it (each migration in a savepoint).
+
+    No statement timeout holds while migrating (a role's, or the DSN's, cancelled a long index build
+    halfway). A migration that fails raises MigrationFailed."""
     pending = load_migrations(folder)
     if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         with conn.transaction():
+            old = conn.execute("SELECT current_setting('statement_timeout') AS t").fetchone()
+            conn.execute("SELECT set_config('statement_timeout', '0', true)")
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
-            return _apply(conn, pending, everything=True)
+            try:
+                in_callers = _apply(conn, pending, everything=True)
+            except MigrationFailed as e:
+                e.applied = []  # undone with the caller's transaction (to this savepoint)
+                raise
+            conn.execute("SELECT set_config('statement_timeout', %s, true)", (old["t"] if old else "0",))
+            return in_callers
     with conn.transaction():
+        conn.execute("SET LOCAL statement_timeout = 0")  # waiting for another process's migrations
         conn.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))  # a session lock: it outlives this commit
     applied: list[Migration] = []
     try:
         while True:
-            with conn.transaction():
-                # before any statement takes a snapshot: under a repeatable-read default, the snapshot of a
-                # process that waited for the lock would predate the migrations the holder applied, and it
-                # would apply them again ("already exists")
-                conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                step = _apply(conn, pending, everything=False)
+            try:
+                with conn.transaction():
+                    # before any statement takes a snapshot: under a repeatable-read default, the snapshot of
+                    # a process that waited for the lock would predate the migrations the holder applied, and
+                    # it would apply them again ("already exists")
+                    conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                    conn.execute("SET LOCAL statement_timeout = 0")
+                    step = _apply(conn, pending, everything=False)
+            except MigrationFailed as e:
+                e.applied = applied
+                raise
             if not step:
                 return applied
             applied += step
@@ -126,16 +159,19 @@ def _apply(conn: Conn, pending: list[Migration], *, everything: bool) -> list[Mi
         if mig.version in done:
             if not mig.matches(done[mig.version]):
                 raise RuntimeError(
-                    f"migration {mig.version:04d}_{mig.name} changed after it was applied; "
+                    f"migration {mig.label} changed after it was applied; "
                     "migrations are forward-only: add a new one instead"
                 )
             continue
-        with conn.transaction():
-            conn.execute(sql.SQL(mig.sql))  # trusted file shipped with the package
-            conn.execute(
-                "INSERT INTO worker_core_migrations (version, name, checksum) VALUES (%s, %s, %s)",
-                (mig.version, mig.name, mig.checksum),
-            )
+        try:
+            with conn.transaction():
+                conn.execute(sql.SQL(mig.sql))  # trusted file shipped with the package
+                conn.execute(
+                    "INSERT INTO worker_core_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                    (mig.version, mig.name, mig.checksum),
+                )
+        except psycopg.Error as e:
+            raise MigrationFailed(mig, applied, e) from e
         applied.append(mig)
         if not everything:
             break

@@ -453,6 +453,37 @@ def test_migrate_says_so_when_the_embedded_server_cannot_start(monkeypatch: pyte
     assert result.exit_code == 3 and "QCONSOLE_PGDATA" in result.output, result.output
 
 
+@pytest.fixture
+def migrations_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The shipped migrations in a folder of the test's own, which ``qconsole migrate`` applies."""
+    import shutil
+
+    import worker_core.migrate
+
+    folder = tmp_path / "migrations"
+    shutil.copytree(ROOT / "migrations", folder)
+    monkeypatch.setattr(worker_core.migrate, "migrations_dir", lambda: folder)
+    return folder
+
+
+def test_migrate_names_the_migration_that_failed_and_those_applied_before_it(cli: Any, migrations_folder: Path) -> None:
+    (migrations_folder / "9001_extra.sql").write_text("CREATE TABLE extra_thing (id int);\n")
+    (migrations_folder / "9002_also.sql").write_text("CREATE TABLE also_thing (id int);\n")
+    (migrations_folder / "9003_broken.sql").write_text("SELECT 1/0;\n")
+    out = cli("migrate", code=3).output
+    assert "migration 9003_broken failed, nothing of it was applied: division by zero" in out
+    assert "applied before it: 9001_extra, 9002_also" in out
+
+
+def test_migrate_is_not_cancelled_by_the_roles_statement_timeout(cli: Any, dsn: str, migrations_folder: Path) -> None:
+    # "lost the database while migrating", naming neither the migration nor those applied before it
+    from psycopg.conninfo import make_conninfo
+
+    (migrations_folder / "9001_slow.sql").write_text("SELECT pg_sleep(0.5);\n")
+    out = cli("migrate", "--dsn", make_conninfo(dsn, options="-c statement_timeout=100")).output
+    assert "applied 9001_slow" in out
+
+
 def test_a_database_a_newer_version_migrated_is_said(cli: Any, conn: db.Conn) -> None:
     conn.execute("INSERT INTO worker_core_migrations (version, name, checksum) VALUES (9999, 'future', 'x')")
     conn.commit()

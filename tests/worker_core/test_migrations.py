@@ -17,7 +17,14 @@ import pytest
 
 from tests.worker_core.helpers import ROOT, subprocess_env
 from worker_core import db
-from worker_core.migrate import changed_migrations, load_migrations, migrate, migrations_dir, pending_migrations
+from worker_core.migrate import (
+    MigrationFailed,
+    changed_migrations,
+    load_migrations,
+    migrate,
+    migrations_dir,
+    pending_migrations,
+)
 
 REPO_MIGRATIONS = ROOT / "migrations"
 
@@ -144,8 +151,10 @@ def test_a_new_file_is_applied_forward_and_a_failing_one_leaves_no_trace(empty_d
         (folder / "9001_extra.sql").write_text("CREATE TABLE extra_thing (id int);\n")
         assert [m.version for m in migrate(conn, folder)] == [9001]
         (folder / "9002_broken.sql").write_text("CREATE TABLE half_done (id int);\nSELECT 1/0;\n")
-        with pytest.raises(psycopg.errors.DivisionByZero):
+        with pytest.raises(MigrationFailed) as failed:
             migrate(conn, folder)
+        assert isinstance(failed.value.error, psycopg.errors.DivisionByZero)
+        assert failed.value.migration.version == 9002 and failed.value.applied == []
         conn.rollback()
         assert conn.execute("SELECT to_regclass('half_done') AS t").fetchone() == {"t": None}
         assert conn.execute("SELECT max(version) AS v FROM worker_core_migrations").fetchone() == {"v": 9001}
@@ -160,12 +169,32 @@ def test_each_migration_commits_by_itself(empty_dsn: str, tmp_path: Path) -> Non
         migrate(conn, folder)
         (folder / "9001_extra.sql").write_text("CREATE TABLE extra_thing (id int);\n")
         (folder / "9002_broken.sql").write_text("SELECT 1/0;\n")
-        with pytest.raises(psycopg.errors.DivisionByZero):
+        with pytest.raises(MigrationFailed) as failed:
             migrate(conn, folder)
+        assert isinstance(failed.value.error, psycopg.errors.DivisionByZero)
+        assert [m.version for m in failed.value.applied] == [9001]  # committed before it failed
         assert conn.execute("SELECT max(version) AS v FROM worker_core_migrations").fetchone() == {"v": 9001}
         conn.rollback()
         locks = "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
         assert conn.execute(locks).fetchone() == {"n": 0}  # the migration lock went with the failure
+
+
+@pytest.mark.parametrize("in_callers_transaction", [False, True], ids=["own", "callers"])
+def test_a_statement_timeout_of_the_role_does_not_cancel_a_migration(
+    empty_dsn: str, tmp_path: Path, in_callers_transaction: bool
+) -> None:
+    # a role's statement_timeout (ALTER ROLE ... SET, or the DSN's options) cancelled a long index build
+    # halfway, and migrate said it had lost the database
+    folder = tmp_path / "migrations"
+    shutil.copytree(REPO_MIGRATIONS, folder)
+    (folder / "9001_slow.sql").write_text("SELECT pg_sleep(0.5);\n")
+    dsn = psycopg.conninfo.make_conninfo(empty_dsn, options="-c statement_timeout=100")
+    with db.connect(dsn) as conn:
+        if in_callers_transaction:
+            conn.execute("SELECT 1")
+        assert [m.version for m in migrate(conn, folder)][-1] == 9001
+        conn.commit()
+        assert conn.execute("SHOW statement_timeout").fetchone() == {"statement_timeout": "100ms"}  # as it was
 
 
 @pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
