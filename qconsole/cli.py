@@ -127,9 +127,13 @@ def guarded(fn: Callable[[], T]) -> T:
         fail(f"database error: {e}".strip(), 3)
     except psycopg.DataError as e:
         fail(f"invalid value: {str(e).strip()}", 2)
-    except (psycopg.errors.InsufficientPrivilege, psycopg.errors.ReadOnlySqlTransaction) as e:
+    except REFUSED as e:
         # a role that may only read, a replica: refused, as --read-only refuses (nothing was written)
         fail(f"refused by the database, nothing changed: {str(e).strip()}", 1)
+
+
+#: what the database says to a role that may not write, or to a replica (exit 1, as --read-only is refused)
+REFUSED = (psycopg.errors.InsufficientPrivilege, psycopg.errors.ReadOnlySqlTransaction)
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -269,6 +273,8 @@ def migrate(dsn: DsnOpt = None) -> None:
         fail(f"lost the database while migrating: {db.redact(str(e).strip(), target)}", 3)
     except RuntimeError as e:  # an applied migration that changed: forward-only
         fail(str(e), 3)
+    except REFUSED as e:  # creating worker_core_migrations, before the first migration
+        fail(f"this role cannot migrate: run it as the schema's owner ({db.redact(str(e).strip(), target)})", 1)
     except psycopg.Error as e:  # a migration the server refused: it rolled back, nothing of it stays
         fail(f"migration failed, nothing of it was applied: {db.redact(str(e).strip(), target)}", 3)
     if applied:
@@ -286,6 +292,8 @@ def _migration_failed(e: MigrationFailed, target: str) -> NoReturn:
         typer.echo(f"applied {m.label}")
     error = db.redact(str(e.error).strip(), target)
     before = ", ".join(m.label for m in e.applied) or "none"
+    if isinstance(e.error, REFUSED):
+        fail(f"this role cannot migrate {e.migration.label}: run it as the schema's owner ({error})", 1)
     if isinstance(e.error, psycopg.errors.QueryCanceled):
         why = f"migration {e.migration.label} was cancelled, nothing of it was applied: {error}"
     elif isinstance(e.error, psycopg.OperationalError):

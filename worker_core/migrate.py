@@ -88,8 +88,7 @@ def load_migrations(folder: Traversable | None = None) -> list[Migration]:
 
 
 def applied_versions(conn: Conn) -> dict[int, str]:
-    row = conn.execute("SELECT to_regclass('worker_core_migrations') AS t").fetchone()
-    if not row or row["t"] is None:
+    if not _record_exists(conn):
         return {}
     return {r["version"]: r["checksum"] for r in conn.execute("SELECT version, checksum FROM worker_core_migrations")}
 
@@ -119,6 +118,9 @@ def migrate(conn: Conn, folder: Traversable | None = None) -> list[Migration]:
             conn.execute("SELECT set_config('statement_timeout', %s, true)", (old["t"] if old else "0",))
             return in_callers
     with conn.transaction():
+        if not _missing(conn, pending):
+            return []  # nothing written: a role that may not create, or a replica, is told it is up to date
+    with conn.transaction():
         conn.execute("SET LOCAL statement_timeout = 0")  # waiting for another process's migrations
         conn.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))  # a session lock: it outlives this commit
     applied: list[Migration] = []
@@ -146,23 +148,19 @@ def migrate(conn: Conn, folder: Traversable | None = None) -> list[Migration]:
 
 def _apply(conn: Conn, pending: list[Migration], *, everything: bool) -> list[Migration]:
     """The missing migrations (or only the first of them), under the migration lock."""
-    conn.execute(
-        """CREATE TABLE IF NOT EXISTS worker_core_migrations (
-               version integer PRIMARY KEY,
-               name text NOT NULL,
-               checksum text NOT NULL,
-               applied_at timestamptz NOT NULL DEFAULT now())"""
-    )
-    done = applied_versions(conn)
+    missing = _missing(conn, pending)
+    if missing and not _record_exists(conn):
+        # only when there is none: PostgreSQL checks the privilege to create before whether the table
+        # exists, and CREATE TABLE IF NOT EXISTS failed for a role that may not create
+        conn.execute(
+            """CREATE TABLE worker_core_migrations (
+                   version integer PRIMARY KEY,
+                   name text NOT NULL,
+                   checksum text NOT NULL,
+                   applied_at timestamptz NOT NULL DEFAULT now())"""
+        )
     applied: list[Migration] = []
-    for mig in pending:
-        if mig.version in done:
-            if not mig.matches(done[mig.version]):
-                raise RuntimeError(
-                    f"migration {mig.label} changed after it was applied; "
-                    "migrations are forward-only: add a new one instead"
-                )
-            continue
+    for mig in missing:
         try:
             with conn.transaction():
                 conn.execute(sql.SQL(mig.sql))  # trusted file shipped with the package
@@ -176,6 +174,23 @@ def _apply(conn: Conn, pending: list[Migration], *, everything: bool) -> list[Mi
         if not everything:
             break
     return applied
+
+
+def _record_exists(conn: Conn) -> bool:
+    row = conn.execute("SELECT to_regclass('worker_core_migrations') AS t").fetchone()
+    return bool(row and row["t"] is not None)
+
+
+def _missing(conn: Conn, migrations: list[Migration]) -> list[Migration]:
+    """Those not applied yet; an applied one whose file changed is refused (RuntimeError)."""
+    done = applied_versions(conn)
+    for mig in migrations:
+        if mig.version in done and not mig.matches(done[mig.version]):
+            raise RuntimeError(
+                f"migration {mig.label} changed after it was applied; "
+                "migrations are forward-only: add a new one instead"
+            )
+    return [m for m in migrations if m.version not in done]
 
 
 def pending_migrations(conn: Conn) -> list[Migration]:

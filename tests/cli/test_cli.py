@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -482,6 +483,45 @@ def test_migrate_is_not_cancelled_by_the_roles_statement_timeout(cli: Any, dsn: 
     (migrations_folder / "9001_slow.sql").write_text("SELECT pg_sleep(0.5);\n")
     out = cli("migrate", "--dsn", make_conninfo(dsn, options="-c statement_timeout=100")).output
     assert "applied 9001_slow" in out
+
+
+@pytest.fixture
+def dml_role(dsn: str, conn: db.Conn) -> Iterator[str]:
+    """A DSN for an application's role: it reads and writes the tables, and creates nothing."""
+    from psycopg.conninfo import make_conninfo
+
+    role = f"qc_dml_{uuid.uuid4().hex[:8]}"
+    conn.execute(f"CREATE ROLE {role} LOGIN")
+    conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")  # the default since PostgreSQL 15
+    conn.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+    try:
+        yield make_conninfo(dsn, user=role)
+    finally:
+        conn.execute(f"DROP OWNED BY {role}")
+        conn.execute(f"DROP ROLE {role}")
+
+
+def test_migrate_on_an_up_to_date_database_writes_nothing(cli: Any, dsn: str, dml_role: str) -> None:
+    # it created worker_core_migrations "if not exists" first: PostgreSQL checks the privilege before the
+    # table, and an application's role or a replica failed (exit 3, "permission denied for schema public")
+    from psycopg.conninfo import make_conninfo
+
+    assert "up to date" in cli("migrate", "--dsn", dml_role).output
+    read_only = make_conninfo(dsn, options="-c default_transaction_read_only=on")
+    assert "up to date" in cli("migrate", "--dsn", read_only).output
+
+
+def test_migrate_by_a_role_that_cannot_is_refused_with_what_to_do(
+    cli: Any, dsn: str, dml_role: str, migrations_folder: Path
+) -> None:
+    from psycopg.conninfo import make_conninfo
+
+    (migrations_folder / "9001_extra.sql").write_text("CREATE TABLE extra_thing (id int);\n")
+    read_only = make_conninfo(dsn, options="-c default_transaction_read_only=on")
+    for target in (dml_role, read_only):
+        out = cli("migrate", "--dsn", target, code=1).output
+        assert "this role cannot migrate 9001_extra: run it as the schema's owner" in out, out
+    assert "applied 9001_extra" in cli("migrate").output
 
 
 def test_a_database_a_newer_version_migrated_is_said(cli: Any, conn: db.Conn) -> None:
