@@ -21,7 +21,14 @@ import typer
 from qconsole import output
 from worker_core import db, ops, stats
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
-from worker_core.migrate import MigrationFailed, changed_migrations, pending_migrations, unknown_migrations
+from worker_core.migrate import (
+    LockHolder,
+    Migration,
+    MigrationFailed,
+    changed_migrations,
+    pending_migrations,
+    unknown_migrations,
+)
 from worker_core.migrate import migrate as run_migrations
 from worker_core.models import ActionResult, JobState
 
@@ -253,9 +260,21 @@ def demo(
 
 
 @app.command()
-def migrate(dsn: DsnOpt = None) -> None:
-    """Apply the migrations that are missing (under an advisory lock); a second run changes nothing."""
+def migrate(
+    dsn: DsnOpt = None,
+    lock_wait: Annotated[
+        str, typer.Option("--lock-wait", help="How long to keep trying for a migration's locks (90s, 15m).")
+    ] = "10m",
+) -> None:
+    """Apply the migrations that are missing (under an advisory lock); a second run changes nothing.
+
+    A migration waits at most 2 s at a time for the locks it needs (the queue waits behind it meanwhile),
+    then says who holds them and tries again, until --lock-wait has passed."""
     _refuse_if_read_only("migrate")
+    try:
+        wait = parse_duration(lock_wait)
+    except typer.BadParameter as e:
+        fail(f"--lock-wait: {e}", 2)
     try:
         target = db.resolve_dsn(_dsn(dsn))
     except RuntimeError as e:  # the embedded server cannot start: the message says what to do
@@ -266,9 +285,9 @@ def migrate(dsn: DsnOpt = None) -> None:
         fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
     try:
         with conn:
-            applied = run_migrations(conn)
+            applied = run_migrations(conn, lock_wait=wait, on_wait=_say_lock_wait)
     except MigrationFailed as e:
-        _migration_failed(e, target)
+        _migration_failed(e, target, lock_wait)
     except psycopg.OperationalError as e:
         fail(f"lost the database while migrating: {db.redact(str(e).strip(), target)}", 3)
     except RuntimeError as e:  # an applied migration that changed: forward-only
@@ -286,7 +305,12 @@ def migrate(dsn: DsnOpt = None) -> None:
         _warn_if_newer(conn)
 
 
-def _migration_failed(e: MigrationFailed, target: str) -> NoReturn:
+def _say_lock_wait(mig: Migration, holders: list[LockHolder], retry_in: float) -> None:
+    held = "".join(f"\n  {h}" for h in holders) or " sessions gone since"
+    typer.echo(f"{mig.label} waits for locks on its tables, held by:{held}\ntrying again in {retry_in:.0f} s", err=True)
+
+
+def _migration_failed(e: MigrationFailed, target: str, lock_wait: str = "10m") -> NoReturn:
     """Which migration failed and why, and those applied before it (committed: they stay)."""
     for m in e.applied:
         typer.echo(f"applied {m.label}")
@@ -294,7 +318,14 @@ def _migration_failed(e: MigrationFailed, target: str) -> NoReturn:
     before = ", ".join(m.label for m in e.applied) or "none"
     if isinstance(e.error, REFUSED):
         fail(f"this role cannot migrate {e.migration.label}: run it as the schema's owner ({error})", 1)
-    if isinstance(e.error, psycopg.errors.QueryCanceled):
+    if isinstance(e.error, psycopg.errors.LockNotAvailable):
+        held = "".join(f"\n  {h}" for h in e.holders) or " sessions gone since"
+        why = (
+            f"migration {e.migration.label} did not get its locks within --lock-wait {lock_wait}, nothing of it"
+            f" was applied (each try held the queue up 2 s at most). They were held by:{held}\n"
+            "end those transactions, or run `qconsole migrate` again when they are done"
+        )
+    elif isinstance(e.error, psycopg.errors.QueryCanceled):
         why = f"migration {e.migration.label} was cancelled, nothing of it was applied: {error}"
     elif isinstance(e.error, psycopg.OperationalError):
         why = f"lost the database while migrating {e.migration.label}: {error}"

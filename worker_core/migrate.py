@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from importlib.abc import Traversable
@@ -63,6 +66,8 @@ class MigrationFailed(Exception):
         self.migration = migration
         self.applied = applied
         self.error = error
+        #: when it never got its locks (error: LockNotAvailable), the sessions that held them last
+        self.holders: list[LockHolder] = []
 
 
 def migrations_dir() -> Traversable:
@@ -93,8 +98,76 @@ def applied_versions(conn: Conn) -> dict[int, str]:
     return {r["version"]: r["checksum"] for r in conn.execute("SELECT version, checksum FROM worker_core_migrations")}
 
 
-def migrate(conn: Conn, folder: Traversable | None = None) -> list[Migration]:
-    """Apply what is missing; return what was applied. A second run applies nothing.
+@dataclass(frozen=True)
+class LockHolder:
+    """A session holding a lock on a table a migration needs: what it is doing, and since when."""
+
+    pid: int
+    state: str | None
+    transaction_seconds: float | None  #: how long its transaction has been open
+    query: str | None  #: the start of its last statement
+
+    def __str__(self) -> str:
+        since = f", its transaction open {self.transaction_seconds:.0f} s" if self.transaction_seconds else ""
+        return f"pid {self.pid} ({self.state or 'unknown'}{since}): {self.query or ''}".rstrip(": ")
+
+
+OnWait = Callable[[Migration, list[LockHolder], float], None]
+log = logging.getLogger(__name__)
+
+
+def _log_wait(mig: Migration, holders: list[LockHolder], retry_in: float) -> None:
+    held = "; ".join(map(str, holders)) or "sessions gone since"
+    log.warning("migration %s waits for locks held by %s; trying again in %.0f s", mig.label, held, retry_in)
+
+
+class _Waiter:
+    """Between the tries of a migration that did not get its locks within lock_timeout: who holds them (said
+    through on_wait), then a wait that doubles, up to 15 s, until the deadline (then MigrationFailed)."""
+
+    def __init__(self, lock_wait: float, lock_timeout: float, on_wait: OnWait | None) -> None:
+        self.deadline = time.monotonic() + lock_wait
+        self.lock_timeout = lock_timeout
+        self.on_wait = on_wait or _log_wait
+        self.tries = 0
+
+    def settings(self, conn: Conn) -> None:
+        """For this transaction: no statement timeout (a role's cancelled a long index build halfway), and
+        a lock timeout: waiting for a lock behind a long transaction (a pg_dump, a producer's), the
+        migration had every claim, settlement and enqueue wait behind it for as long."""
+        timeout = max(0.05, min(self.lock_timeout, self.deadline - time.monotonic()))
+        conn.execute(
+            "SELECT set_config('statement_timeout', '0', true), set_config('lock_timeout', %s, true)",
+            (f"{int(timeout * 1000)}ms",),
+        )
+
+    def wait(self, conn: Conn, failed: MigrationFailed) -> None:
+        """Return after the wait, or raise ``failed`` (the holders said) when it is not a lock timeout or the
+        deadline has come."""
+        if not isinstance(failed.error, psycopg.errors.LockNotAvailable) or conn.broken or conn.closed:
+            raise failed
+        failed.holders = lock_holders(conn, failed.migration)
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise failed
+        retry_in = min(2.0**self.tries, 15.0, left)
+        self.tries += 1
+        self.on_wait(failed.migration, failed.holders, retry_in)
+        time.sleep(retry_in)
+
+    def done(self) -> None:
+        self.tries = 0  # the next migration starts its own backoff
+
+
+def migrate(
+    conn: Conn,
+    folder: Traversable | None = None,
+    *,
+    lock_wait: float = 600.0,
+    lock_timeout: float = 2.0,
+    on_wait: OnWait | None = None,
+) -> list[Migration]:
+    """Apply what is missing; return what was applied. A second run applies nothing, and writes nothing.
 
     Each migration commits by itself, under a session advisory lock held for the whole run (two processes
     never migrate at once, and one applies everything). In one transaction, a late migration that failed
@@ -102,26 +175,39 @@ def migrate(conn: Conn, folder: Traversable | None = None) -> list[Migration]:
     job_queue) were held until the last committed: every claim and every console read waited for all of
     them. Inside a transaction of the caller's, everything goes in it (each migration in a savepoint).
 
-    No statement timeout holds while migrating (a role's, or the DSN's, cancelled a long index build
-    halfway). A migration that fails raises MigrationFailed."""
+    A migration waits at most ``lock_timeout`` seconds for its locks: queued behind a long transaction that
+    read job_queue, it had every claim, settlement and enqueue queue behind it for as long. It gives up,
+    tells ``on_wait`` (the migration, who holds the locks, the seconds before the next try; by default a
+    warning logged), waits, and tries again until ``lock_wait`` seconds have passed. No statement timeout
+    holds (a role's, or the DSN's, cancelled a long index build halfway). A migration that fails, or
+    never got its locks, raises MigrationFailed."""
     pending = load_migrations(folder)
+    waiter = _Waiter(lock_wait, lock_timeout, on_wait)
     if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         with conn.transaction():
-            old = conn.execute("SELECT current_setting('statement_timeout') AS t").fetchone()
-            conn.execute("SELECT set_config('statement_timeout', '0', true)")
+            old = conn.execute(
+                "SELECT current_setting('statement_timeout') AS s, current_setting('lock_timeout') AS l"
+            ).fetchone()
+            conn.execute("SELECT set_config('statement_timeout', '0', true), set_config('lock_timeout', '0', true)")
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
             try:
-                in_callers = _apply(conn, pending, everything=True)
+                in_callers = _apply(conn, pending, everything=True, waiter=waiter)
             except MigrationFailed as e:
                 e.applied = []  # undone with the caller's transaction (to this savepoint)
                 raise
-            conn.execute("SELECT set_config('statement_timeout', %s, true)", (old["t"] if old else "0",))
+            if old:
+                conn.execute(
+                    "SELECT set_config('statement_timeout', %s, true), set_config('lock_timeout', %s, true)",
+                    (old["s"], old["l"]),
+                )
             return in_callers
     with conn.transaction():
         if not _missing(conn, pending):
             return []  # nothing written: a role that may not create, or a replica, is told it is up to date
     with conn.transaction():
-        conn.execute("SET LOCAL statement_timeout = 0")  # waiting for another process's migrations
+        # waiting for another process's migrations holds nobody up
+        conn.execute("SET LOCAL statement_timeout = 0")
+        conn.execute("SET LOCAL lock_timeout = 0")
         conn.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))  # a session lock: it outlives this commit
     applied: list[Migration] = []
     try:
@@ -132,22 +218,27 @@ def migrate(conn: Conn, folder: Traversable | None = None) -> list[Migration]:
                     # a process that waited for the lock would predate the migrations the holder applied, and
                     # it would apply them again ("already exists")
                     conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                    conn.execute("SET LOCAL statement_timeout = 0")
+                    waiter.settings(conn)
                     step = _apply(conn, pending, everything=False)
             except MigrationFailed as e:
                 e.applied = applied
-                raise
+                waiter.wait(conn, e)  # out of the transaction: it holds no lock while it waits
+                continue
             if not step:
                 return applied
             applied += step
+            waiter.done()
     finally:
         if not conn.broken and not conn.closed:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))
 
 
-def _apply(conn: Conn, pending: list[Migration], *, everything: bool) -> list[Migration]:
-    """The missing migrations (or only the first of them), under the migration lock."""
+def _apply(
+    conn: Conn, pending: list[Migration], *, everything: bool, waiter: _Waiter | None = None
+) -> list[Migration]:
+    """The missing migrations (or only the first of them), under the migration lock. With a waiter, one
+    that did not get its locks is tried again in its savepoint."""
     missing = _missing(conn, pending)
     if missing and not _record_exists(conn):
         # only when there is none: PostgreSQL checks the privilege to create before whether the table
@@ -161,19 +252,54 @@ def _apply(conn: Conn, pending: list[Migration], *, everything: bool) -> list[Mi
         )
     applied: list[Migration] = []
     for mig in missing:
-        try:
-            with conn.transaction():
-                conn.execute(sql.SQL(mig.sql))  # trusted file shipped with the package
-                conn.execute(
-                    "INSERT INTO worker_core_migrations (version, name, checksum) VALUES (%s, %s, %s)",
-                    (mig.version, mig.name, mig.checksum),
-                )
-        except psycopg.Error as e:
-            raise MigrationFailed(mig, applied, e) from e
+        while True:
+            try:
+                with conn.transaction():
+                    if waiter:
+                        waiter.settings(conn)
+                    conn.execute(sql.SQL(mig.sql))  # trusted file shipped with the package
+                    conn.execute(
+                        "INSERT INTO worker_core_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                        (mig.version, mig.name, mig.checksum),
+                    )
+            except psycopg.Error as e:
+                failed = MigrationFailed(mig, applied, e)
+                failed.__cause__ = e
+                if waiter is None:
+                    raise failed from e
+                waiter.wait(conn, failed)
+                continue
+            break
         applied.append(mig)
+        if waiter:
+            waiter.done()
         if not everything:
             break
     return applied
+
+
+def lock_holders(conn: Conn, mig: Migration) -> list[LockHolder]:
+    """The sessions holding a lock on a table ``mig`` names (or on an index's table), the oldest transaction
+    first: the one to wait for, or to end."""
+    words = sorted(set(re.findall(r"[a-z_][a-z0-9_$]*", re.sub(r"--[^\n]*", "", mig.sql.lower()))))
+    with conn.transaction():
+        rows = conn.execute(
+            """WITH named AS (
+                   SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                   WHERE c.relname = ANY(%s) AND n.nspname = ANY(current_schemas(false))),
+               tables AS (
+                   SELECT oid FROM named
+                   UNION SELECT i.indrelid FROM pg_index i JOIN named ON named.oid = i.indexrelid)
+               SELECT a.pid, a.state, extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS seconds,
+                      left(regexp_replace(a.query, '[[:space:]]+', ' ', 'g'), 80) AS query
+               FROM pg_stat_activity a
+               WHERE a.pid <> pg_backend_pid() AND a.pid IN (
+                   SELECT l.pid FROM pg_locks l WHERE l.granted AND l.relation IN (SELECT oid FROM tables))
+               ORDER BY a.xact_start NULLS LAST, a.pid
+               LIMIT 5""",
+            (words,),
+        ).fetchall()
+    return [LockHolder(r["pid"], r["state"], r["seconds"], r["query"]) for r in rows]
 
 
 def _record_exists(conn: Conn) -> bool:

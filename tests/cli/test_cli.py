@@ -524,6 +524,19 @@ def test_migrate_by_a_role_that_cannot_is_refused_with_what_to_do(
     assert "applied 9001_extra" in cli("migrate").output
 
 
+def test_migrate_gives_up_after_lock_wait_and_says_who_holds_the_locks(
+    cli: Any, dsn: str, migrations_folder: Path
+) -> None:
+    (migrations_folder / "9001_column.sql").write_text("ALTER TABLE job_queue ADD COLUMN extra int;\n")
+    with db.connect(dsn) as reader:
+        reader.execute("SELECT count(*) FROM job_queue")  # a pg_dump, a producer's long transaction
+        out = cli("migrate", "--lock-wait", "1s", code=3).output
+        assert f"pid {reader.info.backend_pid} (idle in transaction" in out, out
+        assert "9001_column did not get its locks within --lock-wait 1s, nothing of it was applied" in out
+    assert "applied 9001_column" in cli("migrate").output
+    assert "--lock-wait" in cli("migrate", "--lock-wait", "soon", code=2).output
+
+
 def test_a_database_a_newer_version_migrated_is_said(cli: Any, conn: db.Conn) -> None:
     conn.execute("INSERT INTO worker_core_migrations (version, name, checksum) VALUES (9999, 'future', 'x')")
     conn.commit()

@@ -197,6 +197,62 @@ def test_a_statement_timeout_of_the_role_does_not_cancel_a_migration(
         assert conn.execute("SHOW statement_timeout").fetchone() == {"statement_timeout": "100ms"}  # as it was
 
 
+def test_a_migration_waits_for_its_locks_without_holding_the_queue_up(dsn: str, tmp_path: Path) -> None:
+    # queued for its lock behind a transaction that read job_queue (a pg_dump, a producer's), the migration
+    # had every claim, settlement and enqueue queue behind it for as long as that transaction lasted
+    folder = tmp_path / "migrations"
+    shutil.copytree(REPO_MIGRATIONS, folder)
+    (folder / "9001_column.sql").write_text("ALTER TABLE job_queue ADD COLUMN extra int;\n")
+    waits: list[tuple[str, list[int]]] = []
+    waited = threading.Event()
+    outcome: list[Any] = []
+
+    def on_wait(mig: Any, holders: list[Any], retry_in: float) -> None:
+        waits.append((mig.label, [h.pid for h in holders]))
+        waited.set()
+
+    def run() -> None:
+        try:
+            with db.connect(dsn) as conn:
+                outcome.append(migrate(conn, folder, lock_timeout=0.2, on_wait=on_wait))
+        except BaseException as e:
+            outcome.append(e)
+
+    with db.connect(dsn) as reader, db.connect(dsn, autocommit=True) as producer:
+        reader.execute("SELECT count(*) FROM job_queue")  # its transaction stays open
+        reader_pid = reader.info.backend_pid
+        migrating = threading.Thread(target=run)
+        migrating.start()
+        try:
+            assert waited.wait(30), outcome
+            # the queue goes on meanwhile (before, this insert queued behind the migration, for ever)
+            producer.execute("SET lock_timeout = '20s'")
+            producer.execute("INSERT INTO job_queue (job_type) VALUES ('t.ok')")
+        finally:
+            reader.rollback()
+            migrating.join(60)
+    assert [m.version for m in outcome[0]] == [9001], outcome
+    assert waits[0] == ("9001_column", [reader_pid])
+
+
+def test_a_migration_that_never_gets_its_locks_gives_up_and_names_who_holds_them(dsn: str, tmp_path: Path) -> None:
+    folder = tmp_path / "migrations"
+    shutil.copytree(REPO_MIGRATIONS, folder)
+    (folder / "9001_column.sql").write_text("ALTER TABLE job_queue ADD COLUMN extra int;\n")
+    with db.connect(dsn) as reader, db.connect(dsn) as conn:
+        reader.execute("SELECT count(*) FROM job_queue")
+        with pytest.raises(MigrationFailed) as failed:
+            migrate(conn, folder, lock_wait=0.5, lock_timeout=0.1, on_wait=lambda *_: None)
+        assert isinstance(failed.value.error, psycopg.errors.LockNotAvailable)
+        assert [h.pid for h in failed.value.holders] == [reader.info.backend_pid]
+        assert failed.value.holders[0].state == "idle in transaction"
+        reader.rollback()
+        last = max(m.version for m in load_migrations())
+        assert conn.execute("SELECT max(version) AS v FROM worker_core_migrations").fetchone() == {"v": last}
+        locks = "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        assert conn.execute(locks).fetchone() == {"n": 0}
+
+
 @pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
 def test_concurrent_migrate_is_serialised_by_the_advisory_lock(empty_dsn: str, isolation: str) -> None:
     # a server (or role) whose default isolation is repeatable read: the waiters' snapshots must not date
