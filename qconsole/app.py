@@ -21,7 +21,7 @@ from textual.reactive import reactive
 from qconsole.backend import ConsoleBackend, DatabaseBackend
 from qconsole.commands import ConsoleCommands
 from qconsole.embedded_workers import EmbeddedWorker, EmbeddedWorkers, WorkerLauncher
-from qconsole.messages import EmbeddedWorkerExited
+from qconsole.messages import ActionEnded, EmbeddedWorkerExited
 from qconsole.screens.audit import AuditScreen
 from qconsole.screens.base import ConsoleScreen
 from qconsole.screens.charts import ChartsScreen
@@ -80,6 +80,8 @@ class QConsoleApp(App[int]):
     db_error: reactive[str | None] = reactive(None)
     #: when the data on screen was read (clock time)
     last_ok: reactive[dt.datetime | None] = reactive(None)
+    #: the confirmed actions still running (the title bar says them: a group's may take a while)
+    acting: reactive[tuple[str, ...]] = reactive(())
 
     def __init__(
         self,
@@ -149,6 +151,16 @@ class QConsoleApp(App[int]):
 
     def note_failed(self, error: str) -> None:
         self.db_error = error
+
+    def note_acting(self, name: str) -> None:
+        self.acting = (*self.acting, name)
+
+    @on(ActionEnded)
+    def _action_ended(self, message: ActionEnded) -> None:
+        left = list(self.acting)
+        if message.action in left:
+            left.remove(message.action)
+        self.acting = tuple(left)
 
     def refuse_read_only(self, what: str) -> None:
         self.notify(

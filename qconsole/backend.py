@@ -2,9 +2,11 @@
 
 The UI only talks to a :class:`ConsoleBackend`; tests hand it a fake with fixed data. The real one,
 :class:`DatabaseBackend`, calls ``worker_core.stats`` (reading) and ``worker_core.ops`` (operator
-actions) over its own connection: named ``qconsole-console`` in ``pg_stat_activity``, every statement
+actions) over connections of its own: named ``qconsole-console`` in ``pg_stat_activity``, every statement
 bounded by ``statement_timeout``, read-only transactions in ``--read-only`` mode. It is used from worker
-threads, one call at a time (a lock), and reconnects by itself after the connection broke.
+threads. Reads share one connection, one call at a time (a lock), which reconnects by itself after it broke.
+An action (and the fetch of a group's jobs before it) runs on a connection opened for it, with a bound of
+its own: it may write a whole group of jobs, which a read's bound would cancel, and the reads go on meanwhile.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from worker_core.models import (
 
 APPLICATION_NAME = "qconsole-console"
 STATEMENT_TIMEOUT_MS = 3000
+#: the bound of an action's statements: a requeue of a dead-letter group writes every job of it (150,000 in
+#: about 8 s here), which the read bound cancelled every time
+ACTION_STATEMENT_TIMEOUT_MS = 600_000
 CONNECT_TIMEOUT_S = 3
 #: the least a call may take before the console gives up on the server (DatabaseBackend.call_deadline_s)
 CALL_DEADLINE_MIN_S = 10.0
@@ -134,6 +139,7 @@ class DatabaseBackend:
         statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
         connect_timeout: int = CONNECT_TIMEOUT_S,
         call_deadline_s: float | None = None,
+        action_timeout_ms: int = ACTION_STATEMENT_TIMEOUT_MS,
     ) -> None:
         self.dsn = dsn
         self.read_only = read_only
@@ -143,9 +149,16 @@ class DatabaseBackend:
         #: a call (a screen's read: a few statements, each under the statement timeout) still without an
         #: answer after this long is ended here (see _unstick)
         self.call_deadline_s = call_deadline_s or max(CALL_DEADLINE_MIN_S, 2 * statement_timeout_ms / 1000 + 2)
+        self.action_timeout_ms = action_timeout_ms
+        #: the same for an action, under its own bound
+        self.action_deadline_s = max(CALL_DEADLINE_MIN_S, 2 * action_timeout_ms / 1000 + 2)
         self.actor = ops.Actor.current()
         self._conn: db.Conn | None = None
         self._lock = threading.Lock()
+        #: actions run one at a time, each on a connection of its own (the one running now: close() ends it)
+        self._action_lock = threading.Lock()
+        self._action_conn: db.Conn | None = None
+        self._action_guard = threading.Lock()  # close() shuts down no connection _act has closed
 
     @property
     def description(self) -> str:
@@ -186,6 +199,38 @@ class DatabaseBackend:
                     ) from e
                 raise
 
+    def _act(self, fn: Callable[[db.Conn], T]) -> T:
+        """Run an action on a connection opened for it, under the action bound: a long one (a whole group
+        requeued) neither fails at the read bound nor holds the screens' reads up."""
+        with self._action_lock:
+            conn = db.connect(
+                self.dsn,
+                application_name=APPLICATION_NAME,
+                autocommit=True,
+                statement_timeout_ms=self.action_timeout_ms,
+                read_only=self.read_only,
+                connect_timeout=self.connect_timeout,
+                jit=False,
+                tolerant_json=True,
+            )
+            with self._action_guard:
+                self._action_conn = conn
+            deadline = db.Deadline(conn, self.action_deadline_s)
+            try:
+                with deadline:
+                    return fn(conn)
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if deadline.expired:
+                    raise psycopg.OperationalError(
+                        f"the server did not answer within {self.action_deadline_s:g}s: connection dropped"
+                    ) from e
+                raise
+            finally:
+                with self._action_guard:
+                    self._action_conn = None
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -212,6 +257,9 @@ class DatabaseBackend:
             self._drop()
         finally:
             self._lock.release()
+        with self._action_guard:
+            if self._action_conn is not None:
+                db.shut_down(self._action_conn)  # an action still running: it fails, and is rolled back
 
     # ---------------------------------------------------------------- reading
 
@@ -250,7 +298,8 @@ class DatabaseBackend:
         return self._call(lambda c: stats.dead_letter_groups(c, states=DEAD_LETTER_STATES))
 
     def group_job_ids(self, group: DeadLetterGroup) -> list[uuid.UUID]:
-        return self._call(lambda c: ops.group_job_ids(c, group.job_type, group.fingerprint, group.state))
+        # the first step of a group's action: however many jobs, under the action bound
+        return self._act(lambda c: ops.group_job_ids(c, group.job_type, group.fingerprint, group.state))
 
     def workers(self) -> list[WorkerInfo]:
         return self._call(lambda c: stats.workers(c, self.clock))
@@ -269,12 +318,12 @@ class DatabaseBackend:
 
     def requeue(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
         self._refuse_if_read_only()
-        return self._call(lambda c: ops.requeue(c, job_ids, actor=self.actor, reason=reason, clock=self.clock))
+        return self._act(lambda c: ops.requeue(c, job_ids, actor=self.actor, reason=reason, clock=self.clock))
 
     def kill(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
         self._refuse_if_read_only()
-        return self._call(lambda c: ops.kill(c, job_ids, actor=self.actor, reason=reason, clock=self.clock))
+        return self._act(lambda c: ops.kill(c, job_ids, actor=self.actor, reason=reason, clock=self.clock))
 
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult:
         self._refuse_if_read_only()
-        return self._call(lambda c: ops.set_paused(c, queue, paused, actor=self.actor, reason=reason, clock=self.clock))
+        return self._act(lambda c: ops.set_paused(c, queue, paused, actor=self.actor, reason=reason, clock=self.clock))

@@ -51,6 +51,13 @@ class ActionFailed(Message):
 
 
 @dataclass
+class ActionEnded(Message):
+    """An operator action's thread is done, however it ended (posted to the app, which said it is running)."""
+
+    action: str
+
+
+@dataclass
 class EmbeddedWorkerExited(Message):
     """An embedded worker process ended: stopped by the console, or crashed."""
 

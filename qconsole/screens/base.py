@@ -18,7 +18,7 @@ from textual.timer import Timer
 from textual.worker import Worker, WorkerState
 
 from qconsole.backend import ConsoleBackend, describe_error, is_outage
-from qconsole.messages import ActionDone, ActionFailed, DataFetched, FetchFailed
+from qconsole.messages import ActionDone, ActionEnded, ActionFailed, DataFetched, FetchFailed
 from qconsole.widgets.chrome import OutageBanner, TitleBar
 from qconsole.widgets.keys import KeyLine
 from worker_core.models import ActionResult
@@ -174,6 +174,10 @@ class ConsoleScreen(Screen[None]):
 
         def answered(yes: bool | None) -> None:
             if yes:
+                # a group's action may take a while: the title bar says it runs until it is done, and the
+                # console goes on meanwhile (the action runs in a thread, on a connection of its own)
+                self.qapp.note_acting(name)
+                self.notify(f"{name.capitalize()} under way…", markup=False)
                 self._act(name, fn, summary)
             else:
                 self.notify(f"{name.capitalize()} cancelled: nothing changed.", markup=False)
@@ -189,6 +193,8 @@ class ConsoleScreen(Screen[None]):
         except Exception as e:
             self.post_message(ActionFailed(name, self.describe(e)))
             return
+        finally:
+            self.app.post_message(ActionEnded(name))
         self.post_message(ActionDone(result, summary(result)))
 
     @on(ActionDone)

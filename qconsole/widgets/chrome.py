@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 class TitleBar(Static):
-    """``qconsole │ Overview │ source │ READ-ONLY │ data 12:00:00 UTC``: one line."""
+    """``qconsole │ Overview │ READ-ONLY │ ⟳ requeue… │ data 12:00:00 UTC │ source``: one line."""
 
     DEFAULT_CSS = """
     TitleBar {
@@ -38,6 +38,7 @@ class TitleBar(Static):
     def on_mount(self) -> None:
         self.watch(self.app, "last_ok", self._paint, init=True)
         self.watch(self.app, "db_error", self._paint, init=False)
+        self.watch(self.app, "acting", self._paint, init=False)
 
     def repaint(self) -> None:
         self._paint()
@@ -54,6 +55,9 @@ class TitleBar(Static):
             t.append(" │ ")
         if app.db_error is not None:
             t.append("✗ OFFLINE", style="bold reverse")
+            t.append(" │ ")
+        if app.acting:
+            t.append(f"⟳ {', '.join(app.acting)}…", style="bold")
             t.append(" │ ")
         at = _data_at(self)
         t.append(f"data {fmt.hms(at)} UTC" if at else "loading…")

@@ -306,3 +306,29 @@ def test_a_console_with_no_home_directory_starts_its_workers_and_shows_their_out
     while w.exit_code is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "hello" in w.output and w.log_path is None
+
+
+def test_a_dead_letter_group_too_big_for_the_read_bound_is_requeued_and_reads_stay_bounded(
+    dsn: str, conn: db.Conn
+) -> None:
+    # the console's actions ran on its reading connection, under the read bound (3 s): `r` on a group of
+    # 150,000 dead letters was cancelled after ~4.5 s, every time, and nothing was requeued
+    import psycopg
+
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error, error_fingerprint)"
+        " SELECT 't.ok', 'default', '{}', 'dead_lettered', now(), 'boom', 'boom' FROM generate_series(1, 20000)"
+    )
+    backend = DatabaseBackend(dsn, statement_timeout_ms=20)  # lowered so that this group is too big for it
+    try:
+        [group] = stats.dead_letter_groups(conn)
+        ids = backend.group_job_ids(group)
+        assert len(ids) == 20000
+        result = backend.requeue(ids)
+        assert len(result.changed) == 20000 and not result.skipped
+        left = conn.execute("SELECT state, count(*) AS n FROM job_queue GROUP BY state").fetchall()
+        assert left == [{"state": "queued", "n": 20000}]
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            backend._call(lambda c: c.execute("SELECT pg_sleep(1)"))  # a read still has its bound
+    finally:
+        backend.close()

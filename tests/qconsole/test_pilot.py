@@ -35,7 +35,7 @@ from qconsole.screens.job_detail import JobDetailScreen
 from qconsole.screens.overview import OverviewScreen
 from qconsole.screens.start_worker import StartWorkerScreen
 from qconsole.screens.workers import WorkersScreen
-from qconsole.widgets.chrome import OutageBanner
+from qconsole.widgets.chrome import OutageBanner, TitleBar
 from tests.qconsole.pilot import run_async, settle, until
 from worker_core import RetryPolicy, db, ops, stats
 from worker_core.errors import ReadOnlyError
@@ -111,6 +111,48 @@ def test_requeue_a_dead_letter_group_with_keys(dsn: str, conn: db.Conn, make_job
     entry = stats.audit_log(conn)[0]
     assert entry.action == "requeue" and set(entry.job_ids) == set(dead)
     assert entry.os_user == ops.Actor.current().os_user
+
+
+def test_a_group_action_that_takes_long_is_said_to_run_and_the_screens_read_on_meanwhile(
+    dsn: str, conn: db.Conn
+) -> None:
+    # actions ran on the reading connection under the read bound: a long one was cancelled (nothing said it
+    # was running meanwhile), and every screen's read waited behind it
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error, error_fingerprint)"
+        " SELECT 't.ok', 'default', '{}', 'dead_lettered', now(), 'boom', 'boom' FROM generate_series(1, 3)"
+    )
+    conn.commit()
+    app = console(dsn)
+    locker = db.connect(dsn)  # holds the group's rows: the requeue waits for them as long as the test says
+
+    def title() -> str:
+        return str(app.screen.query_one(TitleBar).render())
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 24)) as pilot:
+            await settle(pilot)
+            await pilot.press("d", "r")
+            await settle(pilot)
+            assert isinstance(app.screen, ConfirmScreen)
+            locker.execute("SELECT id FROM job_queue FOR UPDATE").fetchall()
+            await pilot.press("y")
+            await until(pilot, lambda: "⟳ requeue" in title(), what="the title bar saying the requeue runs")
+            screen = app.screen
+            assert isinstance(screen, DeadLettersScreen)
+            screen.data_at = None
+            screen.reload()
+            await until(pilot, lambda: screen.data_at is not None, what="a read while the action waits")
+            assert "⟳ requeue" in title() and "under way" in notes(app) and "Requeued" not in notes(app)
+            locker.rollback()
+            await until(pilot, lambda: "Requeued 3 job(s)" in notes(app), what="the requeue's outcome")
+            await until(pilot, lambda: "⟳" not in title(), what="the title bar without it")
+
+    try:
+        run_async(scenario())
+    finally:
+        locker.close()
+    assert states(conn, [r["id"] for r in conn.execute("SELECT id FROM job_queue")]) == [JobState.QUEUED] * 3
 
 
 def test_a_group_action_acts_on_the_jobs_it_asked_about_not_on_those_that_joined_since(
