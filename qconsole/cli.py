@@ -741,6 +741,7 @@ def limit(
     unknown_type: Annotated[
         bool, typer.Option("--unknown-type", help="Allow a type no worker runs yet and no job has.")
     ] = False,
+    unknown_queue: UnknownQueueOpt = False,
     reason: ReasonOpt = None,
     dsn: DsnOpt = None,
 ) -> None:
@@ -754,8 +755,12 @@ def limit(
                 if row["job_type"] == job_type:
                     typer.echo(f"{row['job_type']} {row['queue']} {row['max_running']} ({row['source']})")
         else:
-            n, allow = max_running, unknown_type
-            guarded(lambda: ops.set_limit(conn, job_type, n, queue=queue, reason=reason, allow_unknown=allow))
+            n, allow, allow_queue = max_running, unknown_type, unknown_queue
+            guarded(
+                lambda: ops.set_limit(
+                    conn, job_type, n, queue=queue, reason=reason, allow_unknown=allow, allow_unknown_queue=allow_queue
+                )
+            )
             typer.echo(f"{job_type} in {queue}: at most {max_running} running")
 
 

@@ -305,10 +305,12 @@ def set_limit(
     reason: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
     allow_unknown: bool = False,
+    allow_unknown_queue: bool = False,
 ) -> ActionResult:
     """At most ``max_running`` jobs of ``job_type`` (in ``queue``, or every queue) run at once, fleet-wide.
     0 holds them all. Workers pick the change up within a heartbeat; jobs over the limit simply wait. A type
-    no worker registered and no job has is refused unless ``allow_unknown``."""
+    no worker registered and no job has is refused unless ``allow_unknown``; a queue (but ``default``) no job,
+    worker, type or earlier pause names, unless ``allow_unknown_queue``, as pause refuses it."""
     if isinstance(max_running, bool) or not isinstance(max_running, int) or not 0 <= max_running <= MAX_LIMIT:
         raise ValueError(f"a concurrency limit must be an integer between 0 and {MAX_LIMIT}")
     if queue != "*" and not QUEUE_RE.match(queue):
@@ -326,6 +328,14 @@ def set_limit(
                 f"no worker runs job type {job_type!r} and no job of it exists: check its spelling"
                 " (a limit for a type still to come: allow_unknown / --unknown-type)"
             )
+        if queue not in ("*", DEFAULT_QUEUE) and not allow_unknown_queue:
+            found = conn.execute(queries["queue_known"], {"queue": queue}).fetchone()
+            if found is not None and not found["known"]:
+                # "limit t 0 --queue biling" said "at most 0 running" and held nothing, while billing ran on
+                raise ValueError(
+                    f"no job, worker or earlier pause names queue {queue!r}: check its spelling"
+                    " (a limit for a queue still to come: allow_unknown_queue / --unknown-queue)"
+                )
         conn.execute(
             queries["limit_set"],
             {"job_type": job_type, "queue": queue, "max_running": max_running, "source": "operator",

@@ -327,6 +327,20 @@ def test_pause_and_resume_refuse_a_misspelt_queue(cli: Any, conn: db.Conn) -> No
     assert [q.name for q in stats.queues(conn) if q.paused] == ["reports"]
 
 
+def test_a_limit_refuses_a_misspelt_queue(cli: Any, conn: db.Conn) -> None:
+    # "limit t.ok 0 --queue biling" said "at most 0 running", exit 0, and held nothing: billing ran on
+    cli("enqueue", "t.ok", "--queue", "billing")
+    out = cli("limit", "t.ok", "0", "--queue", "biling", "--reason", "INC-9", code=2).output
+    assert "no job, worker or earlier pause names queue 'biling'" in out and "--unknown-queue" in out
+    assert cli("limit", "t.ok", "0", "--queue", "biling", "--unknown-type", code=2).output.count("spelling") == 1
+    assert stats.limits(conn) == [] and stats.audit_log(conn) == []  # nothing set, nothing audited
+    cli("limit", "t.ok", "0", "--queue", "billing", "--reason", "INC-9")
+    cli("limit", "t.ok", "2", "--queue", "default")  # the default queue is never a misspelling, as for pause
+    cli("limit", "t.ok", "1", "--queue", "reports", "--unknown-queue")  # a queue still to come, on purpose
+    held = [(r["queue"], r["max_running"]) for r in stats.limits(conn)]
+    assert held == [("billing", 0), ("default", 2), ("reports", 1)]
+
+
 def test_requeue_and_kill_of_a_job_that_does_not_exist_exit_1(cli: Any, conn: db.Conn) -> None:
     # they printed "skipped ...: no such job" and exited 0: a script read success
     ghost = str(uuid.uuid4())
