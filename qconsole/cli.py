@@ -636,13 +636,22 @@ def requeue(
     job_ids: Annotated[list[str], typer.Argument(help="Job ids (dead_lettered, failed or cancelled).")],
     reason: ReasonOpt = None,
     budget: Annotated[int, typer.Option("--budget", min=1, help="Fresh attempts to give.")] = 1,
-    payload: Annotated[str | None, typer.Option("--payload", help="Replace the payload (a fix): JSON.")] = None,
+    payload: Annotated[
+        str | None, typer.Option("--payload", help="Replace the payload (a fix): JSON. One job, or --same-payload.")
+    ] = None,
+    same_payload: Annotated[
+        bool, typer.Option("--same-payload", help="Write --payload into every job named (each loses its own).")
+    ] = False,
     dsn: DsnOpt = None,
 ) -> None:
     """Put jobs back to queued with a fresh budget; the history stays."""
     new_payload = parse_json_object(payload, "--payload") if payload else None
     with connect(dsn) as conn:
-        result = guarded(lambda: ops.requeue(conn, job_ids, reason=reason, budget=budget, payload=new_payload))
+        result = guarded(
+            lambda: ops.requeue(
+                conn, job_ids, reason=reason, budget=budget, payload=new_payload, same_payload=same_payload
+            )
+        )
     output.action(result)
     _exit_for_skipped(result)
 

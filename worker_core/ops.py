@@ -130,12 +130,22 @@ def requeue(
     budget: int = DEFAULT_REQUEUE_BUDGET,
     payload: Mapping[str, Any] | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    same_payload: bool = False,
 ) -> ActionResult:
     """dead_lettered | failed | cancelled -> queued, with ``budget`` fresh attempts and the history kept.
-    ``payload`` replaces the payload (a fix), recorded in the audit entry."""
+    ``payload`` replaces the payload (a fix), recorded in the audit entry; for more than one job only with
+    ``same_payload``: each would get this one, and lose its own."""
     ids = _ids(job_ids)
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_MAX_ATTEMPTS:
         raise ValueError(f"budget must be an integer between 1 and {MAX_MAX_ATTEMPTS}")
+    if payload is not None and len(ids) > 1 and not same_payload:
+        # an id list with one fixed payload wrote it into every job: their own payloads were gone, but for
+        # the audit entry's diff
+        raise ValueError(
+            f"a payload replaces the payload of each of the {len(ids)} jobs named with this same one, and their"
+            " own are lost: requeue them one at a time (each with its own fix), or say that all of them get it"
+            " (same_payload / --same-payload)"
+        )
     if payload is not None:
         problems: list[str] = []
         check_payload(problems, payload)

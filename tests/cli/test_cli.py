@@ -228,6 +228,28 @@ def test_requeue_refuses_a_payload_or_budget_enqueue_would_refuse_and_changes_no
     assert [a.action for a in stats.audit_log(conn)] == ["kill"]
 
 
+def test_requeue_writes_one_payload_into_many_jobs_only_when_told_to(cli: Any, conn: db.Conn) -> None:
+    # `requeue ID1 ID2 --payload X` wrote X into both: their own payloads were gone (but for the audit's diff)
+    from worker_core import ops
+
+    ids = [cli("enqueue", "t.ok", "--payload", json.dumps({"order": n})).stdout.strip() for n in (1, 2)]
+    cli("kill", *ids)
+    out = cli("requeue", *ids, "--payload", '{"fixed": true}', code=2).output
+    assert "each of the 2 jobs" in out and "--same-payload" in out
+    with pytest.raises(ValueError, match="same_payload"):
+        ops.requeue(conn, ids, payload={"fixed": True})
+    assert [(stats.get_job(conn, j).state.value, stats.get_job(conn, j).payload) for j in ids] == [
+        ("cancelled", {"order": 1}),
+        ("cancelled", {"order": 2}),
+    ]
+    assert [a.action for a in stats.audit_log(conn)] == ["kill"]  # nothing audited for the refusal
+    cli("requeue", ids[0], ids[0], "--payload", '{"order": 10}')  # one job, named twice
+    assert "1 of 1" in cli("requeue", ids[1], "--payload", '{"order": 20}', "--same-payload").stdout
+    cli("kill", *ids)
+    assert "2 of 2" in cli("requeue", *ids, "--payload", '{"fixed": true}', "--same-payload").stdout
+    assert [stats.get_job(conn, j).payload for j in ids] == [{"fixed": True}] * 2
+
+
 def test_limit_and_migrate_errors_are_messages_and_exit_codes(cli: Any, conn: db.Conn) -> None:
     assert "check its spelling" in cli("limit", "t.nope", "0", code=2).output
     assert "between 0 and" in cli("limit", "t.ok", "3000000000", "--unknown-type", code=2).output
