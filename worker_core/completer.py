@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from worker_core import db
-from worker_core.execution import Execution, settle_many_params
+from worker_core.execution import Execution, Slot, settle_many_params
 from worker_core.sql import queries
 
 if TYPE_CHECKING:
@@ -107,11 +107,22 @@ class Completer:
         self.flushed += len(rows)
         settled = {r["id"] for r in rows}
         counts: dict[tuple[str, str], int] = {}
+        refused = []
         for ex in batch:
             job = ex.job
             if job["id"] in settled:
                 counts[(job["queue"], job["job_type"])] = counts.get((job["queue"], job["job_type"]), 0) + 1
             else:
-                ex.ctx.logger.warning("job no longer held by this worker: not settled")
+                refused.append(ex)
         for (queue, job_type), n in counts.items():
             self.w.metrics.add(queue, job_type, "succeeded", n)
+        if refused:  # killed since the last beat (settled cancelled), or held by another worker now
+            slot = Slot(self.w, -1)
+            try:
+                for ex in refused:
+                    try:
+                        slot.settle_refused(ex)
+                    except Exception:  # the batch is settled: this one's lease brings it back
+                        ex.ctx.logger.exception("could not settle the killed job")
+            finally:
+                slot.close()

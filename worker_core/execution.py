@@ -967,7 +967,7 @@ class Slot:
             self._after_failure(ex, f.exc)
         except LeaseLost:
             self._rollback()
-            ctx.logger.warning("lease lost to another worker: rolled back, not settled")
+            self.settle_refused(ex)
         except psycopg.Error as e:
             if _job_made(e):
                 # the server answered with an error of the job's making at its settlement or commit: a
@@ -1237,8 +1237,8 @@ class Slot:
         for done in effects:
             if done.job["id"] in held:
                 self._succeeded(done, idempotency_hit=done.hit)
-            else:
-                done.ctx.logger.warning("job no longer held by this worker: not settled")
+            else:  # its effects committed with the handler's COMMIT; killed since, it ends cancelled
+                self.settle_refused(done)
             self._finish(done, done.started)
         self._leave(group, effects)
 
@@ -1396,14 +1396,17 @@ class Slot:
         if effects:
             rows = conn.execute(queries["settle_succeeded_many"], settle_many_params(w, effects)).fetchall()
             if len(rows) < len(effects):
-                # a lease was lost (the worker could not heartbeat for a whole visibility timeout): the
-                # group commits nothing; the jobs still held run again, the others belong to another worker
+                # a job was killed since the last beat, or a lease was lost (the worker could not heartbeat
+                # for a whole visibility timeout): the group commits nothing; a killed job is settled
+                # cancelled, the jobs still held run again, the others belong to another worker
                 conn.rollback()
                 held = {r["id"] for r in rows}
                 for ex in effects:
                     if ex.job["id"] not in held:
-                        ex.ctx.logger.warning("lease lost to another worker: rolled back, not settled")
-                        w._done(ex)
+                        try:
+                            self.settle_refused(ex)
+                        finally:
+                            w._done(ex)
                 group.effects = [ex for ex in effects if ex.job["id"] in held]
                 self._give_back_group(group)
                 return
@@ -1859,6 +1862,13 @@ class Slot:
         log = ctx.logger.warning if state == "retry_scheduled" else ctx.logger.error
         log("%s (%s error): %s: %s", state, kind, cls, message, extra={"next_run_at": scheduled_at})
         return state
+
+    def settle_refused(self, ex: Execution) -> None:
+        """A job's success was refused it (its effects rolled back): an operator killed it since the worker
+        last looked (settle_succeeded refuses a killed job: the kill is final), and it is settled cancelled
+        now, fenced; or another worker holds it (its lease ran out), and that fence refuses this too."""
+        if self.settle_failure(ex, Cancelled("killed")) is None:
+            ex.ctx.logger.warning("lease lost to another worker: rolled back, not settled")
 
     def release(self, ex: Execution, delay: float) -> None:
         params = {**self._fence(ex), "scheduled_at": self.w.clock.now() + dt.timedelta(seconds=delay)}

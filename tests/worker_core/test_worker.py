@@ -725,6 +725,28 @@ def test_a_killed_job_whose_handler_fails_before_the_kill_is_seen_is_not_retried
     assert metric(dsn, "cancelled") == 1 and metric(dsn, "retried") == 0
 
 
+@pytest.mark.parametrize("writes", [True, False], ids=["with-effects", "no-op"])
+def test_a_killed_job_whose_handler_succeeds_before_the_kill_is_seen_ends_cancelled(
+    conn: db.Conn, dsn: str, writes: bool
+) -> None:
+    # its success was settled, its writes committed, though the kill had given its dedup key away: an
+    # equivalent message enqueued after the kill ran too, and the effect happened twice
+    j = enqueue(conn, "t.slow", {"seconds": 1.0, "ledger": writes, "item": "once"}, dedup_key="order:1").id
+    with running_worker(dsn, heartbeat_interval=30) as w:
+        wait_for(lambda: state(dsn, j) == "running", 10, what="the job to start")
+        assert ops.kill(conn, [j], actor=ME).changed == [j]
+        again = enqueue(conn, "t.slow", {"seconds": 0, "ledger": writes, "item": "once"}, dedup_key="order:1")
+        assert again.created and again.id != j
+        conn.commit()
+        wait_for(lambda: state(dsn, j) != "running" and state(dsn, again.id) == "succeeded", 10,
+                 what="both jobs to end")  # fmt: skip
+    row = job(dsn, j)
+    assert_settled(row, "cancelled", 1)
+    assert not row["cancel_requested"] and kinds(dsn, j) == ["cancelled"]
+    assert [r["job_id"] for r in ledger(dsn)] == ([again.id] if writes else [])
+    assert metric(dsn, "cancelled") == 1 and metric(dsn, "succeeded") == 1 and w.claimed_total == 2
+
+
 def test_a_kill_during_a_graceful_shutdown_is_still_seen(conn: db.Conn, dsn: str) -> None:
     j = enqueue(conn, "t.slow", {"seconds": 60}).id
     wt = WorkerThread(dsn, burst=False, heartbeat_interval=0.2, shutdown_grace=60).start()

@@ -349,18 +349,21 @@ SELECT job_id FROM processed_keys WHERE idempotency_key = %(key)s;
 -- name: settle_succeeded
 -- Every statement that settles or releases named running jobs says "(state = 'running') IS TRUE": through
 -- the primary key, never the running index (see settle_succeeded_many).
+-- A job an operator killed is refused its success, in the transaction of its effects, which roll back: the
+-- kill is final (it gave the job's dedup key away, to an equivalent message that then runs), and the worker
+-- settles it cancelled (Slot.settle_refused). A kill that comes after this statement waits for its row
+-- lock, and finds the job settled.
 UPDATE job_queue SET
-    state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s,
-    cancel_requested = false
+    state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s
 WHERE id = %(id)s AND (state = 'running') IS TRUE AND attempts = %(attempt)s AND locked_by = %(worker)s
+  AND NOT cancel_requested
 RETURNING id;
 
 -- name: settle_succeeded_many
 -- The batch completer: jobs whose handler wrote nothing through ctx.tx and carry no idempotency key have
 -- no effect to commit with their settlement, so many settle in one statement. Fenced per job.
 UPDATE job_queue j SET
-    state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, cancel_requested = false,
-    suspect = false
+    state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, suspect = false
 -- ids and fences ('<id>/<attempt>') come as array literals (text): psycopg's per-element list adaptation
 -- cost more than the statement for batches of hundreds. The fences are matched by hashing.
 -- Found through the primary key. "(state = 'running') IS TRUE" says "state = 'running'" in a form the
@@ -368,7 +371,7 @@ UPDATE job_queue j SET
 -- the jobs settled since, which its statistics do not count, and reading it cost 76 ms per settlement
 -- of 450 jobs in a 40,000-job drain (5 ms through the primary key).
 WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
-  AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[])
+  AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[]) AND NOT j.cancel_requested  -- settle_succeeded
 RETURNING j.id;
 
 -- name: settle_error
