@@ -7,6 +7,8 @@ within the budget like a transient error, and counted as an anomaly.
 
 from __future__ import annotations
 
+import datetime as dt
+
 
 class WorkerCoreError(Exception):
     """Base of the errors worker_core raises itself."""
@@ -23,9 +25,9 @@ class EnvelopeError(WorkerCoreError, ValueError):
 class TransientError(Exception):
     """Raise from a handler: the attempt failed for a reason that may go away (network, contention)."""
 
-    def __init__(self, message: str = "", *, retry_in: float | None = None) -> None:
+    def __init__(self, message: str = "", *, retry_in: float | dt.timedelta | None = None) -> None:
         super().__init__(message)
-        #: overrides the policy's delay for this retry, in seconds
+        #: overrides the policy's delay for this retry, in seconds (or a timedelta)
         self.retry_in = retry_in
 
 

@@ -657,9 +657,11 @@ def _retry_in(exc: BaseException) -> float | None:
     """A TransientError's ``retry_in``, if it is a usable number of seconds (a Retry-After header passed on
     as the string it came as would otherwise fail the settlement itself), within a year."""
     value = getattr(exc, "retry_in", None)
+    if isinstance(value, dt.timedelta):
+        value = value.total_seconds()
     try:
         seconds = float(value) if value is not None and not isinstance(value, bool) else None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # 10**400: too large for a float
         return None
     if seconds is None or math.isnan(seconds):
         return None
@@ -1822,10 +1824,7 @@ class Slot:
         else:
             state = "retry_scheduled"
             retry_in = _retry_in(exc)
-            # claims return the policy as text: decoded only here, on the failure path
-            policy = job["retry_policy"]
-            policy = json.loads(policy) if isinstance(policy, str) else policy
-            delay = retry_in if retry_in is not None else RetryPolicy.from_json(policy).delay(attempt)
+            delay = retry_in if retry_in is not None else self._policy_delay(ex, attempt)
             scheduled_at = now + dt.timedelta(seconds=delay)
         cls = type(exc).__name__
         message = _error_message(exc)
@@ -1862,6 +1861,24 @@ class Slot:
         log = ctx.logger.warning if state == "retry_scheduled" else ctx.logger.error
         log("%s (%s error): %s: %s", state, kind, cls, message, extra={"next_run_at": scheduled_at})
         return state
+
+    @staticmethod
+    def _policy_delay(ex: Execution, attempt: int) -> float:
+        """The job's retry policy's delay after ``attempt``. Claims return the policy as text: decoded only
+        here, on the failure path. One this worker cannot read (written by SQL, another producer, a later
+        version with a field of its own) gives the default policy's delay, said in the job's log: raising
+        here lost the settlement, and the job, running for no one until its lease ran out, was taken for a
+        crash (a lease expiration, then a poison pill) with its real error never recorded."""
+        stored = ex.job["retry_policy"]
+        try:
+            policy = json.loads(stored) if isinstance(stored, str) else stored
+            delay = float(RetryPolicy.from_json(policy).delay(attempt))
+            if not 0 <= delay <= MAX_RETRY_IN_SECONDS:  # NaN too
+                raise ValueError(f"a delay of {delay} s")
+            return delay
+        except Exception as e:
+            ex.ctx.logger.warning("retry policy %r unreadable (%s): the default policy's delay", stored, e)
+            return float(RetryPolicy().delay(attempt))
 
     def settle_refused(self, ex: Execution) -> None:
         """A job's success was refused it (its effects rolled back): an operator killed it since the worker

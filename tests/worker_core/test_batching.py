@@ -4,6 +4,7 @@ one commit (each in its own savepoint), and planner statistics refreshed by hous
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -20,6 +21,7 @@ from tests.worker_core.helpers import (
     ledger,
     metric,
     run_burst,
+    run_worker_until,
     running_worker,
     state,
     wait_for,
@@ -611,9 +613,28 @@ def test_a_retry_in_is_taken_when_it_is_a_number_of_seconds_within_a_year() -> N
     def retry_in(value: Any) -> float | None:
         return _retry_in(TransientError("x", retry_in=value))
 
-    assert [retry_in(v) for v in (30, "30", " 2.5 ", -5)] == [30.0, 30.0, 2.5, 0.0]
+    assert [retry_in(v) for v in (30, "30", " 2.5 ", -5, dt.timedelta(minutes=1))] == [30.0, 30.0, 2.5, 0.0, 60.0]
     assert retry_in(float("inf")) == MAX_RETRY_IN_SECONDS
-    assert [retry_in(v) for v in (None, "soon", float("nan"), True, [1])] == [None] * 5
+    # 10**400 is too large for a float: it raised OverflowError, and the settlement with it
+    assert [retry_in(v) for v in (None, "soon", float("nan"), True, [1], 10**400)] == [None] * 6
+
+
+@pytest.mark.parametrize(
+    "stored", ['{"base_seconds": "1"}', '{"backoff": "fixed", "base_seconds": 1e300, "max_delay_seconds": 1e300}']
+)
+def test_a_retry_policy_the_worker_cannot_read_retries_under_the_default_one(
+    dsn: str, conn: db.Conn, stored: str
+) -> None:
+    # raising in the settlement left the job running for no one until its lease ran out: taken for a crash
+    # (a lease expiration, then a poison pill), its real error never recorded
+    j = enqueue(conn, "t.awkward_failure", {"how": "nul", "item": "x"}).id
+    conn.execute("UPDATE job_queue SET retry_policy = %s::jsonb WHERE id = %s", (stored, j))
+    conn.commit()
+    started = dt.datetime.now(dt.timezone.utc)
+    run_worker_until(dsn, lambda: state(dsn, j) == "retry_scheduled", timeout=10)
+    row = job(dsn, j)
+    assert [(e["kind"], e["class"]) for e in row["errors"]] == [("unknown", "ValueError")]
+    assert started < row["scheduled_at"] < started + dt.timedelta(hours=1)  # the default policy's delay
 
 
 def test_keys_that_look_like_placeholders_are_recorded_as_they_are(dsn: str, conn: db.Conn) -> None:
