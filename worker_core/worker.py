@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import heapq
 import json
 import os
@@ -42,7 +43,7 @@ from psycopg.types.json import set_json_loads
 from typing_extensions import LiteralString
 
 from worker_core import db, maintenance
-from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.clock import SYSTEM_CLOCK, Clock, SystemClock
 from worker_core.completer import Completer
 from worker_core.context import JobContext
 from worker_core.execution import Abandoned, Execution, Slot, UndecodablePayload, array_literal
@@ -73,6 +74,10 @@ GROUPS_IN_FLIGHT = 8
 #: once while it stays waiting: then it claims again, and runs the solo claim whenever it finds itself idle
 #: (a fleet of long jobs stopped taking new work for as long as its longest job ran)
 SOLO_DRAIN_SECONDS = 30.0
+#: a worker's clock further than this from the database server's is said in its log (Worker._check_clock):
+#: leases are compared in the workers' time, and a live lease's remaining time is most of its visibility
+#: timeout (35 s at least), so a few seconds are harmless and tens are not
+CLOCK_SKEW_WARN_SECONDS = 5.0
 CLAIM_RUN = queries["claim_run"].encode()
 PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
@@ -205,6 +210,9 @@ class Worker:
         self._due: list[float] = []
         self._due_lock = threading.Lock()
         self._idle_until = 0.0
+        #: this host's clock minus the database server's, at the last beat (seconds; None: not measured)
+        self.clock_skew_seconds: float | None = None
+        self._skew_said_until = 0.0
         self.zombies = 0
         self.claimed_total = 0
         #: claim statements that returned jobs, and groups committed: claimed_total / these = batch sizes
@@ -922,7 +930,7 @@ class Worker:
             if final:
                 conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})
             else:
-                conn.execute(
+                beat = conn.execute(
                     queries["worker_upsert"],
                     {
                         "now": now,
@@ -934,7 +942,9 @@ class Worker:
                         "concurrency": self.config.concurrency,
                         "in_flight": len(in_flight),
                     },
-                )
+                ).fetchone()
+                if beat is not None:
+                    self._check_clock(now, beat["db_now"])
         # after the jobs' leases and the worker's row: a lock backend that hangs (Redis stopped answering:
         # each call waits for its socket timeout) delayed both, one call per job, until live workers' leases
         # ran out; and after one failure, no more calls this beat
@@ -946,6 +956,24 @@ class Worker:
             self._refresh_claim_filters(conn)
         if not final:
             self._look_for_solo_work(conn)
+
+    def _check_clock(self, sent_at: dt.datetime, db_now: dt.datetime) -> None:
+        """Leases are written and compared in the workers' own time (``locked_until``): a worker whose clock
+        is ahead takes live jobs from others as expired leases (the handler then runs twice at once), one
+        whose clock is behind writes leases others already find expired. Each beat measures this worker's
+        clock against the server's, and a difference past CLOCK_SKEW_WARN_SECONDS is said, every ten
+        minutes while it lasts (``clock_skew_seconds``: the last measure)."""
+        if not isinstance(self.clock, SystemClock):
+            return  # a clock a test moves by hand
+        self.clock_skew_seconds = skew = (sent_at - db_now).total_seconds()
+        if abs(skew) > CLOCK_SKEW_WARN_SECONDS and time.monotonic() >= self._skew_said_until:
+            self._skew_said_until = time.monotonic() + 600
+            self.log.warning(
+                "this host's clock is %.1f s %s the database server's: leases are written and compared in the"
+                " workers' time, so a live job may look expired to one worker and be run by two at once;"
+                " set the clocks right (NTP)",
+                abs(skew), "ahead of" if skew > 0 else "behind",
+            )  # fmt: skip
 
     def _look_for_solo_work(self, conn: db.Conn) -> None:
         """On each beat: whether solo work waits (a lease expired, a suspect: solo_work_waiting looks at the

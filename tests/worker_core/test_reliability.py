@@ -4,6 +4,7 @@ its visibility timeout, and when the frozen worker wakes up it cannot settle it 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import signal
 import subprocess
 import textwrap
@@ -15,6 +16,7 @@ import pytest
 import worker_core.worker
 from tests.worker_core.helpers import job, ledger, running_worker, scalar, spawn_python, state, wait_for
 from worker_core import db
+from worker_core.clock import SystemClock
 from worker_core.producer import enqueue
 
 
@@ -127,3 +129,20 @@ def test_a_busy_worker_drains_for_solo_work_for_a_bounded_time(
         conn.commit()
         wait_for(lambda: all(state(dsn, j) == "succeeded" for j in fresh), 10, what="the fresh jobs")
         assert (state(dsn, slow), job(dsn, orphan)["locked_by"]) == ("running", "gone:1:dead")
+
+
+def test_a_worker_whose_clock_is_off_says_so(dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    # leases are written and compared in the workers' time: a clock 45 s ahead took live jobs from other
+    # workers as expired leases, and ran them a second time at once, with nothing said anywhere
+    class AheadClock(SystemClock):
+        def now(self) -> dt.datetime:
+            return super().now() + dt.timedelta(seconds=45)
+
+    caplog.set_level(logging.WARNING, logger="worker_core")
+    with running_worker(dsn, heartbeat_interval=0.2) as fine:
+        wait_for(lambda: fine.clock_skew_seconds is not None, 10, what="a beat")
+    assert abs(fine.clock_skew_seconds or 0) < 5 and "clock" not in caplog.text
+    with running_worker(dsn, clock=AheadClock(), heartbeat_interval=0.2) as ahead:
+        wait_for(lambda: "clock is" in caplog.text, 10, what="the warning")
+    assert 40 < (ahead.clock_skew_seconds or 0) < 50
+    assert "s ahead of the database server's" in caplog.text and caplog.text.count("clock is") == 1

@@ -454,7 +454,8 @@ SELECT lock_key, token, job_id, expires_at FROM resource_locks WHERE lock_key = 
 INSERT INTO workers (id, host, pid, queues, tasks, concurrency, in_flight, started_at, last_heartbeat_at)
 VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(tasks)s, %(concurrency)s, %(in_flight)s, %(now)s, %(now)s)
 ON CONFLICT (id) DO UPDATE SET
-    in_flight = EXCLUDED.in_flight, last_heartbeat_at = EXCLUDED.last_heartbeat_at, stopped_at = NULL;
+    in_flight = EXCLUDED.in_flight, last_heartbeat_at = EXCLUDED.last_heartbeat_at, stopped_at = NULL
+RETURNING clock_timestamp() AS db_now;  -- the server's clock, to compare the worker's with (Worker._check_clock)
 
 -- name: workers_of_process
 -- The worker rows of one process not yet stopped (a process a console started knows its pid, not its id).
