@@ -159,11 +159,9 @@ WITH {{full_limits}}, expired AS MATERIALIZED (
 UPDATE job_queue j SET
     state = d.next_state,
     attempts = j.attempts + (d.next_state = 'running')::int,
-    -- a lease lost while sharing a process is not proof of guilt: that attempt is given back (its budget
-    -- grows by one: the attempt count goes on, as the fences need). Bounded: the job runs alone next, and
-    -- each such loss takes a process another job killed
+    -- a lease lost while sharing a process is not proof of guilt: that attempt is given back
     max_attempts = CASE WHEN d.expired AND NOT j.ran_solo AND d.next_state = 'running'
-                        THEN j.max_attempts + 1 ELSE j.max_attempts END,
+                        THEN greatest(j.max_attempts, j.attempts + 1) ELSE j.max_attempts END,
     locked_by = CASE WHEN d.next_state = 'running' THEN %(worker)s ELSE j.locked_by END,
     locked_until = CASE WHEN d.next_state = 'running'
                         THEN %(now)s + make_interval(secs => j.visibility_timeout_seconds) END,
