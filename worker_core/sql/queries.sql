@@ -159,7 +159,10 @@ WITH {{full_limits}}, expired AS MATERIALIZED (
 UPDATE job_queue j SET
     state = d.next_state,
     attempts = j.attempts + (d.next_state = 'running')::int,
-    -- a lease lost while sharing a process is not proof of guilt: that attempt is given back
+    -- a lease lost while sharing a process is not proof of guilt: the job always gets a run alone, one more
+    -- attempt if it had none left. The lost one still counts (its budget does not grow by it): a payload
+    -- that kills its process then costs max_attempts restarts at most, and a bystander that had attempts
+    -- left has one fewer of its own (a rare loss, where a process died of another job)
     max_attempts = CASE WHEN d.expired AND NOT j.ran_solo AND d.next_state = 'running'
                         THEN greatest(j.max_attempts, j.attempts + 1) ELSE j.max_attempts END,
     locked_by = CASE WHEN d.next_state = 'running' THEN %(worker)s ELSE j.locked_by END,
