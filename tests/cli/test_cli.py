@@ -490,6 +490,52 @@ def test_migrate_says_so_when_the_embedded_server_cannot_start(monkeypatch: pyte
     assert result.exit_code == 3 and "QCONSOLE_PGDATA" in result.output, result.output
 
 
+def test_a_worker_on_the_embedded_server_starts_it_again_when_it_was_killed() -> None:
+    # the worker logged `heartbeat failed: ... Connection refused` for ever, until some other qconsole command
+    # started the server again
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    from tests.worker_core.test_embedded import kill_postmaster, postmaster
+
+    base = Path(tempfile.mkdtemp(prefix="qc", dir="/tmp"))
+    pgdata = base / "pg"
+    env = {k: v for k, v in os.environ.items() if k not in ("QCONSOLE_DSN", "DATABASE_URL")}
+    env.update(QCONSOLE_PGDATA=str(pgdata), PYTHONPATH=str(ROOT))
+    log = base / "worker.log"
+    worker = None
+    try:
+        argv = [sys.executable, "-m", "qconsole", "worker", "--tasks", "tests.worker_core.tasks", "--heartbeat", "0.5"]
+        with log.open("w") as out:
+            worker = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while "worker starting" not in log.read_text() and time.monotonic() < deadline:
+            assert worker.poll() is None, log.read_text()
+            time.sleep(0.2)
+        kill_postmaster(pgdata)
+        deadline = time.monotonic() + 30
+        while postmaster(pgdata) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert postmaster(pgdata) is not None, log.read_text()  # the worker alone started it again
+        assert "starting it again" in log.read_text()
+        time.sleep(2)  # its beats go through again: no failure logged once it is up
+        failures = log.read_text().count("heartbeat failed")
+        time.sleep(2)
+        assert log.read_text().count("heartbeat failed") == failures
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, log.read_text()
+        assert postmaster(pgdata) is None  # and stopped what it started, the last one attached
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+            worker.wait(60)
+        if (server := postmaster(pgdata)) is not None:
+            server.kill()
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture
 def migrations_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The shipped migrations in a folder of the test's own, which ``qconsole migrate`` applies."""

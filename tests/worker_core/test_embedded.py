@@ -395,6 +395,104 @@ def test_restart_by_another_process_is_still_stopped(
     assert postmaster(pgdata) is None
 
 
+def kill_postmaster(pgdata: Path) -> None:
+    crashed = postmaster(pgdata)
+    assert crashed is not None
+    crashed.kill()  # as the OOM killer does
+    crashed.wait(TIMEOUT)  # reaped too: postgres refuses to start while its pid is a zombie
+
+
+def test_a_killed_server_is_started_again_by_a_process_attached_to_it(
+    pgdata: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    # its workers logged `heartbeat failed: ... Connection refused` and the console showed its outage banner
+    # for ever, until some other qconsole command started the server again
+    attached = spawn(START_AND_EXIT + textwrap.dedent("""
+        from worker_core import db
+        for _ in sys.stdin:
+            with db.connect(uri) as conn:
+                print(conn.execute("select 'up' as up").fetchone()["up"], flush=True)
+        """), pgdata, stdin=subprocess.PIPE)
+    procs.append(attached)
+    assert attached.stdin is not None and attached.stdout is not None
+    uri = attached.stdout.readline().strip()
+    assert uri.startswith("postgresql://")
+    kill_postmaster(pgdata)
+    # a process that only has the URI (not counted, so nothing would stop a server it started) never starts it
+    given = ok(run(f"""
+        import psycopg
+        from worker_core import db
+        try:
+            db.connect({uri!r})
+        except psycopg.OperationalError:
+            print("refused")
+        """, pgdata))
+    assert given.strip() == "refused" and postmaster(pgdata) is None
+    attached.stdin.write("go\n")
+    attached.stdin.flush()
+    assert attached.stdout.readline().strip() == "up"
+    revived = postmaster(pgdata)
+    assert revived is not None
+    kill_postmaster(pgdata)  # again: at most one start per REVIVE_EVERY seconds, so wait that long
+    time.sleep(embedded.REVIVE_EVERY)
+    out, _ = attached.communicate("go\n", timeout=TIMEOUT)
+    assert (attached.returncode, out.strip()) == (0, "up")
+    assert postmaster(pgdata) is None  # the last process attached stopped what it started
+
+
+def test_the_console_over_a_killed_server_starts_it_again(pgdata: Path, procs: list[subprocess.Popen[str]]) -> None:
+    # its outage banner stayed for ever, until some other qconsole command started the server again
+    console = spawn(START_AND_EXIT + textwrap.dedent("""
+        from qconsole.backend import DatabaseBackend
+        from worker_core import db
+        from worker_core.migrate import migrate
+        with db.connect(uri) as conn:
+            migrate(conn)
+        backend = DatabaseBackend(uri)
+        backend.overview()
+        print("ready", flush=True)
+        sys.stdin.readline()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the console's refreshes
+            try:
+                backend.overview()
+            except psycopg.OperationalError:
+                time.sleep(0.5)
+            else:
+                print("up", flush=True)
+                break
+        else:
+            print("still down", flush=True)
+        backend.close()
+        """), pgdata, stdin=subprocess.PIPE)
+    procs.append(console)
+    assert console.stdout is not None
+    assert console.stdout.readline().startswith("postgresql://")
+    assert console.stdout.readline().strip() == "ready"
+    kill_postmaster(pgdata)
+    out, _ = console.communicate("go\n", timeout=TIMEOUT)
+    assert (console.returncode, out.strip()) == (0, "up")
+    assert postmaster(pgdata) is None
+
+
+def test_a_dead_server_is_started_again_at_most_every_few_seconds(pgdata: Path) -> None:
+    out = ok(run("""
+        import os, signal
+        import psutil
+        from worker_core import embedded
+        uri = start_embedded(PGDATA)
+        pid = int((PGDATA / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        psutil.Process(pid).wait(30)
+        (PGDATA / "postgresql.conf").open("a").write("\\nmax_connections = banana\\n")  # it cannot start
+        print(embedded.revive_if_down(uri), embedded.revive_if_down(uri))
+        print(embedded.revive_if_down("postgresql://postgres:@/postgres?host=/nonexistent"))
+        """, pgdata))
+    assert out.split() == ["False", "False", "False"]
+    log = (pgdata / "log").read_text()
+    assert log.count("max_connections") == 1, log  # one start tried, not two
+
+
 # --- errors, defaults, test tuning ------------------------------------------------------------------
 
 
