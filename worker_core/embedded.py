@@ -65,13 +65,20 @@ class EmbeddedUnavailable(RuntimeError):
 
 
 def default_pgdata() -> Path:
-    """``$QCONSOLE_PGDATA``, else ``/var/lib/qconsole/pgdata`` for root, else the user data dir."""
+    """``$QCONSOLE_PGDATA``, else ``/var/lib/qconsole/pgdata`` for root, else the user data dir (EmbeddedUnavailable
+    where there is no telling the home directory)."""
     if env := os.environ.get("QCONSOLE_PGDATA"):
         return Path(env).expanduser()
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         # Not under /root: the package chmods every parent of pgdata to o+rx.
         return Path("/var/lib/qconsole/pgdata")
-    return platformdirs.user_data_path("qconsole") / "pgdata"
+    try:
+        return platformdirs.user_data_path("qconsole") / "pgdata"
+    except RuntimeError as exc:  # no HOME and no passwd entry (a container run as an arbitrary uid)
+        raise EmbeddedUnavailable(
+            f"{exc}; or set QCONSOLE_PGDATA to a data directory of your choosing for the embedded server, or "
+            f"QCONSOLE_DSN (or DATABASE_URL) to a PostgreSQL server of your own"
+        ) from exc
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:

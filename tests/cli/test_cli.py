@@ -490,6 +490,23 @@ def test_migrate_says_so_when_the_embedded_server_cannot_start(monkeypatch: pyte
     assert result.exit_code == 3 and "QCONSOLE_PGDATA" in result.output, result.output
 
 
+def test_with_no_home_directory_the_embedded_server_says_what_else_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    # no HOME and a uid without a passwd entry (a container): it said only "set an absolute HOME or XDG variable"
+    import pwd
+
+    def no_entry(uid: int) -> Any:
+        raise KeyError(uid)
+
+    for name in ("QCONSOLE_DSN", "DATABASE_URL", "QCONSOLE_PGDATA", "HOME", "XDG_DATA_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    monkeypatch.setattr(os, "geteuid", lambda: 12345)  # not root, whose data directory is under /var/lib
+    result = CliRunner().invoke(app, ["stats"])
+    assert result.exit_code == 3, result.output
+    assert "home directory" in result.output, result.output
+    assert "QCONSOLE_PGDATA" in result.output and "QCONSOLE_DSN" in result.output, result.output
+
+
 def test_a_worker_on_the_embedded_server_starts_it_again_when_it_was_killed() -> None:
     # the worker logged `heartbeat failed: ... Connection refused` for ever, until some other qconsole command
     # started the server again
