@@ -39,7 +39,7 @@ from psycopg.types.json import Jsonb
 
 from worker_core import db
 from worker_core.context import JobContext
-from worker_core.errors import JobTimeout, LeaseLost, PermanentError, classify
+from worker_core.errors import JobTimeout, LeaseLost, PermanentError, TransientError, classify
 from worker_core.fingerprint import fingerprint
 from worker_core.locks import PostgresLocks, lease_seconds, new_token
 from worker_core.logs import job_fields
@@ -943,7 +943,10 @@ class Slot:
             try:
                 got = w.locks.acquire(self.conn, job["lock_key"], token, ttl, job["id"])
             except Exception as e:
-                ctx.logger.warning("lock backend failed: %s", e)
+                ctx.logger.warning("lock backend failed: %s", db.redact(str(e), w.dsn))
+                self._forget_lock(job["lock_key"], token)
+                if self._charged_for_lock_backend(ex, e):
+                    return
                 got = False
             if not got:
                 w.metrics.add(job["queue"], job["job_type"], "lock_contention")
@@ -1542,6 +1545,29 @@ class Slot:
                 for ex in jobs:
                     ex.key_wait = None
 
+    def _forget_lock(self, key: str, token: str) -> None:
+        """After an acquire that raised: its answer may be what was lost (the lease taken, the reply late),
+        and a lease no one knows the token of would hold the key for a whole lease. Released by its token
+        (fenced: never another holder's), at best."""
+        try:
+            self.w.locks.release(self.conn, key, token)
+        except Exception:
+            self.reset()  # the backend is down: the lease, if it was taken, runs out by itself
+
+    def _charged_for_lock_backend(self, ex: Execution, e: BaseException) -> bool:
+        """A lock backend error around a job (an acquire or the check before its commit that raised, not a
+        lock another job holds): given back uncharged a few times, as a database error around a job is
+        (Slot.execute), then charged, retried under its policy and in the end dead-lettered, its error
+        recorded. Each time taken for contention or a lost lock, it ran again for ever, never charged nor
+        recorded (a Redis refusing scripts or writes). True: settled here."""
+        times = self.w.given_back_for_errors(ex.job["id"])
+        if times <= MAX_UNCHARGED_GIVE_BACKS:
+            return False
+        why = db.redact(str(e).strip(), self.w.dsn)
+        ex.ctx.logger.warning("lock backend failed around the job, %d times: charged (%s)", times, why)
+        self.settle_failure(ex, TransientError(f"lock backend failed: {why}"))
+        return True
+
     def _lock_held_to_commit(self, ex: Execution) -> bool:
         """A job with a lock_key commits its effect only if it still holds the lock: its lease may have run out
         and another job taken it since the last heartbeat (a stalled process). Extended in the job's own
@@ -1559,8 +1585,16 @@ class Slot:
             raise
         except Exception as e:
             ex.ctx.logger.warning("could not check lock %s before the commit: %s", key, db.redact(str(e), self.w.dsn))
-            return False
+            return self._lock_unchecked(ex, e)
         return held
+
+    def _lock_unchecked(self, ex: Execution, e: BaseException) -> bool:
+        """The lock backend raised at the check before the commit: counted as a lost lock (the job rolled back
+        and given back) a few times, then the job's failure (_charged_for_lock_backend)."""
+        if self.w.given_back_for_errors(ex.job["id"]) > MAX_UNCHARGED_GIVE_BACKS:
+            why = db.redact(str(e).strip(), self.w.dsn)
+            raise HandlerFailure(TransientError(f"lock backend failed before the commit: {why}"))
+        return False
 
     async def _alock_held_to_commit(self, ex: Execution, aconn: db.AsyncConn) -> bool:
         """_lock_held_to_commit for an async job: in its own transaction too, with the PostgreSQL backend."""
@@ -1576,7 +1610,7 @@ class Slot:
             raise  # the job's transaction's: see _lock_held_to_commit
         except Exception as e:
             ex.ctx.logger.warning("could not check lock %s before the commit: %s", key, db.redact(str(e), self.w.dsn))
-            return False
+            return self._lock_unchecked(ex, e)
 
     def _begin_handler(self, ex: Execution, grace_margin: float = 0.0) -> None:
         """From here the watchdog enforces the job's timeout (see Worker._watchdog_main)."""

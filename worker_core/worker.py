@@ -243,8 +243,9 @@ class Worker:
             self._stop_signals += 1
             if self._stop_signals > 1:
                 self.config.shutdown_grace = 0  # second signal: release now
-        self.log.info("signal %s: stopping (grace %ss)", signum, self.config.shutdown_grace)
+        # stopped first: a log line may block (a full pipe nobody reads), and the stop must not wait on it
         self.stop()
+        self.log.info("signal %s: stopping (grace %ss)", signum, self.config.shutdown_grace)
 
     _stop_signals = 0
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
-from tests.worker_core.helpers import ledger, run_burst, scalar
+from tests.worker_core.helpers import WorkerThread, job, ledger, run_burst, scalar, state, wait_for
 from worker_core import PermanentError, db
 from worker_core.coordination import SingleFlightTimeout, single_flight
 from worker_core.locks import PostgresLocks
@@ -197,3 +198,46 @@ def test_single_flight_on_a_plain_psycopg_connection(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as plain:  # tuple rows
         assert single_flight("plain", 60, lambda: {"v": 1}, conn=plain) == {"v": 1}
         assert single_flight("plain", 60, lambda: {"v": 2}, conn=plain) == {"v": 1}  # the cached one
+
+
+class _BrokenBackend(PostgresLocks):
+    """The PostgreSQL lock backend, with one of its calls raising as a backend that refuses it would (a Redis
+    whose ACL denies scripts, out of memory, read-only): ``acquire`` after taking the lease (its answer
+    lost), or ``extend``."""
+
+    def __init__(self, broken: str) -> None:
+        super().__init__()
+        self.broken = broken
+
+    def acquire(self, conn: Any, key: str, token: str, ttl: float, job_id: Any = None) -> bool:
+        taken = super().acquire(conn, key, token, ttl, job_id)
+        if self.broken == "acquire":
+            raise ConnectionError("reply lost after the lease was taken")
+        return taken
+
+    def extend(self, conn: Any, key: str, token: str, ttl: float) -> bool:
+        if self.broken == "extend":
+            raise ConnectionError("NOPERM this user has no permissions to run the 'evalsha' command")
+        return super().extend(conn, key, token, ttl)
+
+
+@pytest.mark.parametrize("broken", ["acquire", "extend"])
+def test_a_lock_backend_that_keeps_failing_is_charged_to_the_job_not_looped(
+    dsn: str, conn: db.Conn, broken: str
+) -> None:
+    # taken for contention or a lost lock, each time given back uncharged: the job ran again for ever (its
+    # handler's outside effects each time), never charged, its errors never recorded; and a lease taken
+    # whose answer was lost held the key for a whole lease, its token known to no one
+    j = enqueue(conn, "t.ledger", {"item": "x"}, idempotency_key="ledger:x", lock_key="acct:1", max_attempts=2).id
+    conn.commit()
+    wt = WorkerThread(dsn, burst=False, heartbeat_interval=30)
+    wt.worker.locks = _BrokenBackend(broken)
+    wt.start()
+    try:
+        wait_for(lambda: state(dsn, j) == "dead_lettered", 30, what="the job to be charged to its dead letter")
+    finally:
+        wt.stop()
+    errors = job(dsn, j)["errors"]
+    assert [(e["kind"], e["class"]) for e in errors] == [("transient", "TransientError")] * 2
+    assert "lock backend failed" in errors[-1]["message"] and ledger(dsn) == []
+    assert scalar(dsn, "SELECT count(*) FROM resource_locks") == 0  # every lease taken was given back
