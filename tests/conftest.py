@@ -22,6 +22,9 @@ from worker_core.migrate import migrate
 # the suite must not pick up an operator's database from the environment
 for _var in ("QCONSOLE_DSN", "DATABASE_URL"):
     os.environ.pop(_var, None)
+# nor a terminal's color settings: the snapshots are pictures in color (a test that needs NO_COLOR sets it)
+for _var in ("NO_COLOR", "FORCE_COLOR"):
+    os.environ.pop(_var, None)
 
 TEST_PGDATA = Path(os.environ.get("QCONSOLE_TEST_PGDATA", f"/tmp/qc-test-pg-{os.getuid()}"))
 

@@ -661,6 +661,55 @@ def test_an_audit_reason_reaches_the_screen_without_its_escape_sequences(dsn: st
     run_async(scenario())
 
 
+def screen_text(app: QConsoleApp) -> str:
+    """The screen as a terminal shows it, as plain text (what is left when there is no color)."""
+    width, height = app.size
+    out = rich.console.Console(
+        width=width, height=height, file=io.StringIO(), record=True, legacy_windows=False, safe_box=False
+    )
+    out.print(app.screen._compositor.render_update(full=True))
+    return out.export_text()
+
+
+def lines_with(text: str, word: str) -> list[str]:
+    return [line for line in text.splitlines() if word in line]
+
+
+def test_with_no_color_symbols_carry_every_mark(
+    dsn: str, conn: db.Conn, make_job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README: readable with NO_COLOR, ``▲`` over a threshold, ``⏸`` paused, ``✗`` lost, ``☠`` dead."""
+    dead, failed = make_job("t.unknown", {}), make_job("t.permanent", {})
+    run_worker_until(dsn, lambda: states(conn, [dead, failed]) == [JobState.DEAD_LETTERED, JobState.FAILED])
+    # the worker that ran them died without saying goodbye
+    conn.execute("UPDATE workers SET stopped_at = NULL, last_heartbeat_at = now() - interval '5 minutes'")
+    waiting = make_job("t.ok", {}, queue="mail")
+    conn.execute("UPDATE job_queue SET scheduled_at = now() - interval '5 minutes' WHERE id = %s", (waiting,))
+    ops.pause(conn, "mail", actor=ops.Actor("tester"), reason="relay down")
+    monkeypatch.setenv("NO_COLOR", "1")
+    app = console(dsn)
+    assert app.no_color  # Textual took it: a terminal gets the console without color
+    shown: dict[str, str] = {}
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            shown["o"] = screen_text(app)
+            for key in ("j", "w"):
+                await pilot.press(key)
+                await settle(pilot)
+                shown[key] = screen_text(app)
+
+    run_async(scenario())
+    [mail] = [line for line in lines_with(shown["o"], "t.ok") if "mail" in line]
+    assert "⏸" in mail and mail.count("▲") == 2, shown["o"]  # the row, and its lag of 5 minutes
+    [other] = lines_with(shown["o"], "t.unknown")
+    assert "⏸" not in other and "▲" not in other, shown["o"]
+    assert "☠ dead" in lines_with(shown["j"], "t.unknown")[0], shown["j"]
+    assert "✗ failed" in lines_with(shown["j"], "t.permanent")[0], shown["j"]
+    assert len(lines_with(shown["w"], "✗ LOST")) == 1, shown["w"]
+
+
 def test_the_cursor_stays_in_place_when_its_row_disappears(dsn: str, conn: db.Conn) -> None:
     """Another operator acts on the job under the cursor: it jumped to the top row, where the next `enter`
     opened a job nobody was looking at."""
