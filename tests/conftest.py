@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from worker_core import db
+from worker_core import db, policy
 from worker_core.migrate import migrate
 
 # the suite must not pick up an operator's database from the environment
@@ -25,6 +25,13 @@ for _var in ("QCONSOLE_DSN", "DATABASE_URL"):
 # nor a terminal's color settings: the snapshots are pictures in color (a test that needs NO_COLOR sets it)
 for _var in ("NO_COLOR", "FORCE_COLOR"):
     os.environ.pop(_var, None)
+# nor any other QCONSOLE_* setting (the policy's QCONSOLE_<FIELD> defaults, QCONSOLE_POLICY_FILE, QCONSOLE_PGDATA,
+# QCONSOLE_TASKS...) but the suite's own knobs; and its policy file is an empty one, whatever qconsole.toml or
+# pyproject.toml the working directory holds. The processes the tests start inherit all of it.
+SUITE_KNOBS = ("QCONSOLE_TEST_", "QCONSOLE_CHAOS_JOBS")
+for _var in [v for v in os.environ if v.startswith("QCONSOLE_") and not v.startswith(SUITE_KNOBS)]:
+    del os.environ[_var]
+os.environ["QCONSOLE_POLICY_FILE"] = str(Path(__file__).with_name("policy.toml"))
 
 TEST_PGDATA = Path(os.environ.get("QCONSOLE_TEST_PGDATA", f"/tmp/qc-test-pg-{os.getuid()}"))
 
@@ -42,6 +49,14 @@ def _admin_dsn() -> str:
 
 def dsn_for(admin_dsn: str, dbname: str) -> str:
     return make_conninfo(admin_dsn, dbname=dbname)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_policy() -> Iterator[None]:
+    """Every test starts with the deployment's policy loaded afresh: none leaves its own to the next."""
+    policy.set_current(None)
+    yield
+    policy.set_current(None)
 
 
 @pytest.fixture(scope="session")
