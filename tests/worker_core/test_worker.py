@@ -1006,15 +1006,18 @@ sys.exit(Worker(cfg).run())
 """
 
 
-def test_sigterm_lets_the_running_job_finish_within_grace_and_exits_0(
-    conn: db.Conn, dsn: str, tmp_path: Path
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_lets_the_running_job_finish_within_grace_and_exits_0(
+    conn: db.Conn, dsn: str, tmp_path: Path, sig: signal.Signals
 ) -> None:
+    """The README: SIGTERM, SIGINT or SIGHUP (an SSH session that drops) stops claiming and gives the running
+    jobs --shutdown-grace."""
     slow = enqueue(conn, "t.slow", {"seconds": 3, "ledger": True, "item": "finished"}).id
     proc = spawn_python(WORKER_PROCESS, dsn, "60", log=tmp_path / "worker.log")
     try:
         wait_for(lambda: state(dsn, slow) == "running", 20, what="the worker process to start the job")
         waiting = enqueue(conn, "t.ok", {}).id  # no free slot until the slow job is done
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()
     finally:
         if proc.poll() is None:
