@@ -22,12 +22,8 @@ def test_fifty_concurrent_jobs_asking_for_one_key_see_a_single_refill(dsn: str, 
     conn.execute("CREATE TABLE refills (id serial PRIMARY KEY)")
     enqueue_many(conn, [("t.cached_rate", {"n": i}) for i in range(50)])
 
-    workers = [threading.Thread(target=run_burst, args=(dsn,), kwargs={"task_modules": TASKS, "concurrency": 10})
-               for _ in range(2)]  # fmt: skip
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(120)
+    workers = [WorkerThread(dsn, task_modules=TASKS, concurrency=10).start() for _ in range(2)]
+    assert [w.join(120) for w in workers] == [0, 0]  # a worker's error, or one still running, fails the test
     assert scalar(dsn, "SELECT count(*) FROM job_queue WHERE state = 'succeeded'") == 50
     assert scalar(dsn, "SELECT count(*) FROM refills") == 1
     assert {r["item"] for r in ledger(dsn)} == {"1.1"}
