@@ -17,6 +17,7 @@ import pytest
 import tests.worker_core.tasks  # noqa: F401  (registers the test types, so enqueue applies their defaults)
 from qconsole.backend import APPLICATION_NAME, DatabaseBackend
 from qconsole.embedded_workers import EmbeddedWorkers
+from tests.worker_core.helpers import scalar, wait_for
 from worker_core import db, stats
 from worker_core.clock import FixedClock
 from worker_core.errors import ReadOnlyError
@@ -200,7 +201,11 @@ def test_closing_the_backend_does_not_wait_for_a_read_the_server_never_answers(d
 
     reader = threading.Thread(target=hung_read, daemon=True)
     reader.start()
-    time.sleep(0.5)  # it is waiting for the server now
+    sleeping = (
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s"
+        " AND state = 'active' AND query = 'SELECT pg_sleep(30)'"
+    )
+    wait_for(lambda: scalar(dsn, sleeping, (APPLICATION_NAME,)) == 1, 10, what="the read to wait for the server")
     closer = threading.Thread(target=backend.close, daemon=True)
     closer.start()
     closer.join(10)

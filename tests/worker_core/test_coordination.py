@@ -55,13 +55,14 @@ def test_a_refill_longer_than_its_lease_is_still_the_only_one(dsn: str, conn: db
     got: dict[str, object] = {}
 
     def second() -> None:
-        time.sleep(0.2)  # the first one holds the lease by now
+        wait_for(lambda: refills == ["first"], 10, what="the first one to hold the lease and refill")
         got["second"] = single_flight("slow-refill", 60, lambda: refill("second"), dsn=dsn, wait=10, lease=0.3)
 
     t = threading.Thread(target=second)
     t.start()
     got["first"] = single_flight("slow-refill", 60, lambda: refill("first"), dsn=dsn, wait=10, lease=0.3)
     t.join(15)
+    assert not t.is_alive()
     assert refills == ["first"]
     assert got == {"first": {"by": "first"}, "second": {"by": "first"}}
 
@@ -137,19 +138,29 @@ def test_an_async_caller_cancelled_while_taking_the_lease_does_not_keep_it(dsn: 
             "INSERT INTO resource_locks (lock_key, token, expires_at) VALUES ('single-flight:acancel', 'b', now())"
         )
 
+        def callers(where: str) -> object:
+            return scalar_in(
+                look,
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"  # noqa: S608
+                f" AND application_name = 'worker_core-single-flight' {where}",
+            )
+
         async def refill() -> int:
             return 1
 
         async def scenario() -> None:
             task = asyncio.ensure_future(asingle_flight("acancel", 60, refill, dsn=dsn, lease=60))
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(
+                wait_for, lambda: callers("AND wait_event_type = 'Lock'") == 1, 10, what="the INSERT to wait"
+            )
             task.cancel()
             blocker.rollback()  # the waiting INSERT goes through now, unless it was cancelled on the server
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.sleep(0.5)
 
         asyncio.run(scenario())
+        # the caller's sessions have ended (its INSERT, if it went through, committed by then)
+        wait_for(lambda: callers("") == 0, 10, what="the caller's sessions to end")
         assert scalar_in(look, "SELECT count(*) FROM resource_locks WHERE lock_key = 'single-flight:acancel'") == 0
 
 
