@@ -10,8 +10,10 @@ It runs on an embedded server of its own, so restarting it disturbs no other tes
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,13 +39,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def chaos_dsn() -> str:
-    pgdata = Path(tempfile.mkdtemp(prefix="qcc", dir="/tmp")) / "pg"
+    base = Path(tempfile.mkdtemp(prefix="qcc", dir="/tmp"))  # a short path: the server's socket is in it
+    pgdata = base / "pg"
+    # the server stops as this process exits (start_embedded's exit hook, stop_embedded); an exit hook
+    # registered before start_embedded runs after that one, and removes the directory
+    atexit.register(_remove_stopped_server, base, pgdata)
     uri = start_embedded(pgdata)
     with db.connect(uri) as conn:
         migrate(conn)
         conn.execute("CREATE TABLE ledger (id bigserial, job_id uuid, item text, attempt int)")
         conn.commit()
     return uri
+
+
+def _remove_stopped_server(base: Path, pgdata: Path) -> None:
+    if not (pgdata / "postmaster.pid").exists():  # never the data of a server still running
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _counts(dsn: str) -> dict[str, int]:
