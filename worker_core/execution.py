@@ -945,7 +945,9 @@ class Slot:
             except Exception as e:
                 ctx.logger.warning("lock backend failed: %s", db.redact(str(e), w.dsn))
                 self._forget_lock(job["lock_key"], token)
-                if self._charged_for_lock_backend(ex, e):
+                # only a refusal is counted towards a charge: a connection lost on the way (dropped when
+                # idle, a failover, an outage) is never the job's, whatever the number
+                if w.locks.refused(e) and self._charged_for_lock_backend(ex, e):
                     return
                 got = False
             if not got:
@@ -1590,8 +1592,9 @@ class Slot:
 
     def _lock_unchecked(self, ex: Execution, e: BaseException) -> bool:
         """The lock backend raised at the check before the commit: counted as a lost lock (the job rolled back
-        and given back) a few times, then the job's failure (_charged_for_lock_backend)."""
-        if self.w.given_back_for_errors(ex.job["id"]) > MAX_UNCHARGED_GIVE_BACKS:
+        and given back); a refusal of the backend's, a few times, then the job's failure
+        (_charged_for_lock_backend)."""
+        if self.w.locks.refused(e) and self.w.given_back_for_errors(ex.job["id"]) > MAX_UNCHARGED_GIVE_BACKS:
             why = db.redact(str(e).strip(), self.w.dsn)
             raise HandlerFailure(TransientError(f"lock backend failed before the commit: {why}"))
         return False

@@ -28,6 +28,12 @@ class LockBackend(Protocol):
 
     def release(self, conn: Conn, key: str, token: str) -> bool: ...
 
+    def refused(self, e: BaseException) -> bool:
+        """Whether ``e`` is the backend's answer refusing a call (its permissions, memory, a read-only
+        replica), which the job is charged for in the end, rather than a connection lost on the way (an
+        outage, never the job's)."""
+        ...
+
 
 class PostgresLocks:
     """Leases as rows. Each call commits on its own (the connection must not be inside a job transaction)."""
@@ -36,6 +42,9 @@ class PostgresLocks:
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self.clock = clock
+
+    def refused(self, e: BaseException) -> bool:
+        return False  # its errors are the slot connection's (dropped when idle, a failover): never the job's
 
     def _run(self, conn: Conn, query: str, params: dict[str, Any]) -> bool:
         with conn.transaction():
@@ -79,6 +88,11 @@ class RedisLocks:
         self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         self._extend = self.client.register_script(_EXTEND)
         self._release = self.client.register_script(_RELEASE)
+
+    def refused(self, e: BaseException) -> bool:
+        import redis
+
+        return isinstance(e, redis.exceptions.ResponseError)  # NOPERM, OOM, READONLY, BUSY...
 
     def acquire(self, conn: Conn, key: str, token: str, ttl: float, job_id: uuid.UUID | None = None) -> bool:
         return bool(self.client.set(self.prefix + key, token, nx=True, px=max(1, int(ttl * 1000))))

@@ -727,7 +727,9 @@ class Worker:
                 self._hand_out(executions)
             # a full batch: there is a backlog, and claims wait for the WAL flush (see _claim_ready)
             self._backlog = claimed == limit
-            if claimed == limit or self._want_solo:
+            # a full batch, or an idle worker that wants its solo claim: again at once (a busy one past its
+            # drain claims at the poll's pace: claiming again at once, it span thousands of claims a second)
+            if claimed == limit or (self._want_solo and not self._in_flight):
                 continue
             if (
                 self.config.burst
@@ -931,6 +933,7 @@ class Worker:
             if final:
                 conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})
             else:
+                sent_at = self.clock.now()
                 beat = conn.execute(
                     queries["worker_upsert"],
                     {
@@ -945,7 +948,7 @@ class Worker:
                     },
                 ).fetchone()
                 if beat is not None:
-                    self._check_clock(now, beat["db_now"])
+                    self._check_clock(sent_at, self.clock.now(), beat["db_now"])
         # after the jobs' leases and the worker's row: a lock backend that hangs (Redis stopped answering:
         # each call waits for its socket timeout) delayed both, one call per job, until live workers' leases
         # ran out; and after one failure, no more calls this beat
@@ -958,15 +961,20 @@ class Worker:
         if not final:
             self._look_for_solo_work(conn)
 
-    def _check_clock(self, sent_at: dt.datetime, db_now: dt.datetime) -> None:
+    def _check_clock(self, sent_at: dt.datetime, answered_at: dt.datetime, db_now: dt.datetime) -> None:
         """Leases are written and compared in the workers' own time (``locked_until``): a worker whose clock
         is ahead takes live jobs from others as expired leases (the handler then runs twice at once), one
         whose clock is behind writes leases others already find expired. Each beat measures this worker's
         clock against the server's, and a difference past CLOCK_SKEW_WARN_SECONDS is said, every ten
-        minutes while it lasts (``clock_skew_seconds``: the last measure)."""
+        minutes while it lasts (``clock_skew_seconds``: the last measure). Against the middle of the
+        statement's round trip, and not when that took more than a second (a beat that waited on a row
+        lock read as skew)."""
         if not isinstance(self.clock, SystemClock):
             return  # a clock a test moves by hand
-        self.clock_skew_seconds = skew = (sent_at - db_now).total_seconds()
+        trip = answered_at - sent_at
+        if trip > dt.timedelta(seconds=1):
+            return
+        self.clock_skew_seconds = skew = (sent_at + trip / 2 - db_now).total_seconds()
         if abs(skew) > CLOCK_SKEW_WARN_SECONDS and time.monotonic() >= self._skew_said_until:
             self._skew_said_until = time.monotonic() + 600
             self.log.warning(

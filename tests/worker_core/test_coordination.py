@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
 
 import pytest
 
-from tests.worker_core.helpers import WorkerThread, job, ledger, run_burst, scalar, state, wait_for
+from tests.worker_core.helpers import WorkerThread, job, ledger, run_burst, running_worker, scalar, state, wait_for
 from worker_core import PermanentError, db
 from worker_core.coordination import SingleFlightTimeout, single_flight
 from worker_core.locks import PostgresLocks
@@ -207,24 +208,30 @@ def test_single_flight_on_a_plain_psycopg_connection(dsn: str) -> None:
         assert single_flight("plain", 60, lambda: {"v": 2}, conn=plain) == {"v": 1}  # the cached one
 
 
+class _Refusal(Exception):
+    """A lock backend's answer refusing a call (Redis: a ResponseError)."""
+
+
 class _BrokenBackend(PostgresLocks):
-    """The PostgreSQL lock backend, with one of its calls raising as a backend that refuses it would (a Redis
-    whose ACL denies scripts, out of memory, read-only): ``acquire`` after taking the lease (its answer
-    lost), or ``extend``."""
+    """The PostgreSQL lock backend, with one of its calls refused as a Redis would refuse it (its ACL denies
+    scripts, out of memory, read-only): ``acquire`` after taking the lease, or ``extend``."""
 
     def __init__(self, broken: str) -> None:
         super().__init__()
         self.broken = broken
 
+    def refused(self, e: BaseException) -> bool:
+        return isinstance(e, _Refusal)
+
     def acquire(self, conn: Any, key: str, token: str, ttl: float, job_id: Any = None) -> bool:
         taken = super().acquire(conn, key, token, ttl, job_id)
         if self.broken == "acquire":
-            raise ConnectionError("reply lost after the lease was taken")
+            raise _Refusal("OOM command not allowed when used memory > 'maxmemory'")
         return taken
 
     def extend(self, conn: Any, key: str, token: str, ttl: float) -> bool:
         if self.broken == "extend":
-            raise ConnectionError("NOPERM this user has no permissions to run the 'evalsha' command")
+            raise _Refusal("NOPERM this user has no permissions to run the 'evalsha' command")
         return super().extend(conn, key, token, ttl)
 
 
@@ -248,3 +255,19 @@ def test_a_lock_backend_that_keeps_failing_is_charged_to_the_job_not_looped(
     assert [(e["kind"], e["class"]) for e in errors] == [("transient", "TransientError")] * 2
     assert "lock backend failed" in errors[-1]["message"] and ledger(dsn) == []
     assert scalar(dsn, "SELECT count(*) FROM resource_locks") == 0  # every lease taken was given back
+
+
+def test_a_job_waiting_for_a_lock_is_never_charged_for_connections_dropped_under_it(
+    dsn: str, conn: db.Conn, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the PostgreSQL backend's acquire runs on the slot's connection: one an idle timeout (a pooler, a
+    # firewall, idle_session_timeout) cut between two turns failed it, and after three such turns the job
+    # was charged, and dead-lettered on its last attempt, for waiting on a lock
+    assert PostgresLocks().acquire(conn, "acct:1", "another-holder", 600)
+    conn.execute(f"ALTER DATABASE {conn.info.dbname} SET idle_session_timeout = '300ms'")
+    j = enqueue(conn, "t.ok", {}, lock_key="acct:1", max_attempts=1).id
+    conn.commit()
+    caplog.set_level(logging.WARNING, logger="worker_core")
+    with running_worker(dsn, concurrency=1, lock_contention_delay=0.6, heartbeat_interval=0.2):
+        wait_for(lambda: caplog.text.count("lock backend failed") >= 6, 30, what="six dropped connections")
+    assert (job(dsn, j)["state"], job(dsn, j)["attempts"], job(dsn, j)["errors"]) == ("queued", 0, [])
