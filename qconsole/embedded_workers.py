@@ -251,12 +251,21 @@ class EmbeddedWorkers:
                 line = raw.decode("utf-8", "replace").rstrip("\n")
                 w.output.append(printable(line))  # what a handler prints never drives the terminal
                 if log is not None:
-                    log.write(line + "\n")
-                    log.flush()
+                    try:
+                        log.write(line + "\n")
+                        log.flush()
+                    except OSError as e:
+                        # a full disk, a quota, a file size limit: said once, and the pipe is drained on, or
+                        # the worker would block on its next line once it is full (holding its jobs)
+                        w.output.append(f"[its output is no longer written to {w.log_path}: {e}]")
+                        with contextlib.suppress(OSError):
+                            log.close()
+                        log = None
         finally:
             code = proc.wait()
             if log is not None:
-                log.close()
+                with contextlib.suppress(OSError):
+                    log.close()
         with self._lock:
             if w.proc is not proc:
                 return

@@ -155,6 +155,30 @@ def test_embedded_worker_output_never_drives_the_terminal(tmp_path: Any) -> None
     assert "\x1b" in (tmp_path / w.log_path.name).read_text()  # type: ignore[union-attr]  # the log file keeps it
 
 
+def test_an_embedded_worker_whose_log_file_cannot_be_written_is_still_read_to_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a full disk (or a quota, or a file size limit) under the log: the reader thread died at the first
+    # failed write, nothing drained the pipe any more, and the worker blocked on its next log line once the
+    # pipe was full, holding its jobs (its heartbeat went on) for as long as the console stayed open.
+    # /dev/full: every write fails with ENOSPC
+    import qconsole.embedded_workers as ew
+
+    monkeypatch.setattr(ew, "open_private_log", lambda path: open("/dev/full", "a", encoding="utf-8"))  # noqa: SIM115
+    monkeypatch.setattr(ew, "OUTPUT_LINES", 100_000)  # the note stays in sight
+    launcher = EmbeddedWorkers(
+        "postgresql://unused", command=["sh", "-c", "yes chatty | head -n 30000; echo done", "worker"],
+        log_dir=tmp_path,
+    )  # fmt: skip
+    w = launcher.start(["x.tasks"], restart=False)
+    try:
+        wait_for(lambda: w.exit_code is not None, 30, what="the worker to write all its output and exit")
+    finally:
+        launcher.stop_all(timeout=2)
+    assert w.exit_code == 0 and "done" in w.output
+    assert sum("no longer written" in line for line in w.output) == 1
+
+
 def test_an_embedded_worker_that_refuses_its_configuration_is_not_restarted(tmp_path: Any) -> None:
     # a misspelt task module: `qconsole worker` exits 2; starting it again would change nothing
     launcher = EmbeddedWorkers(
