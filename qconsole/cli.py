@@ -429,6 +429,15 @@ def _stop_on_stdin_eof(supervised: bool) -> None:
     threading.Thread(target=watch, name="stdin-lifeline", daemon=True).start()
 
 
+def _tell(status_fd: int | None, what: bytes) -> None:
+    """The console's embedded workers: ``started`` once its arguments are taken (the worker runs), and
+    ``refused`` when the worker refused its configuration after that (a metrics port taken). An exit code 2
+    alone is no proof of a refusal: a payload (or a C library) may exit(2), a crash to restart from."""
+    if status_fd is not None:
+        with contextlib.suppress(OSError):
+            os.write(status_fd, what + b"\n")
+
+
 @app.command()
 def worker(
     tasks: Annotated[str, typer.Option("--tasks", help="MODULE[,MODULE]: modules with @task handlers.")],
@@ -476,13 +485,17 @@ def worker(
         bool,
         typer.Option("--stop-on-stdin-eof", hidden=True, help="Stop gracefully once standard input closes."),
     ] = False,
+    status_fd: Annotated[
+        int | None,
+        typer.Option("--status-fd", hidden=True, help="Write started, then refused if so, to this descriptor."),
+    ] = None,
     dsn: DsnOpt = None,
 ) -> None:
     """Run a worker: claim, execute, retry, dead-letter and heal, agreeing with others only through rows."""
     from worker_core.logs import setup_logging
     from worker_core.maintenance import Retention
     from worker_core.supervisor import run_supervised
-    from worker_core.worker import WorkerConfig, run_worker
+    from worker_core.worker import EXIT_CONFIG, WorkerConfig, run_worker
 
     if log_format not in ("text", "json"):
         fail("--log-format must be text or json", 2)
@@ -518,10 +531,14 @@ def worker(
     )
     if stop_on_stdin_eof:
         _stop_on_stdin_eof(supervised=processes > 1)
+    _tell(status_fd, b"started")
     try:
         code = run_supervised(config, processes, log_format) if processes > 1 else run_worker(config)
     except ValueError as e:
+        _tell(status_fd, b"refused")
         fail(str(e), 2)
+    if code == EXIT_CONFIG:
+        _tell(status_fd, b"refused")
     raise typer.Exit(code)
 
 

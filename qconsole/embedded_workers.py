@@ -110,6 +110,19 @@ def open_private_log(path: Path) -> IO[str]:
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
+def _read_status(fd: int) -> list[str]:
+    """What a worker that exited wrote to its status pipe (see `qconsole worker --status-fd`), line by line;
+    the pipe is closed. Never blocks: a process it started may hold the pipe still."""
+    data = b""
+    try:
+        with contextlib.suppress(OSError):  # BlockingIOError: nothing (more) in it
+            while chunk := os.read(fd, 4096):
+                data += chunk
+    finally:
+        os.close(fd)
+    return data.decode("ascii", "replace").split()
+
+
 class WorkerLauncher(Protocol):
     """What the console needs to start, stop and watch embedded workers (tests pass a fake)."""
 
@@ -207,7 +220,11 @@ class EmbeddedWorkers:
         env["QCONSOLE_DSN"] = self.dsn
         env["PYTHONUNBUFFERED"] = "1"
         env.pop("NO_COLOR", None)
-        argv = self.argv(w)
+        # what the worker says of itself (see `qconsole worker --status-fd`): whether an exit code 2 is a
+        # refused configuration, or a crash (a job's exit(2)) to restart from
+        status_r, status_w = os.pipe()
+        os.set_blocking(status_r, False)
+        argv = [*self.argv(w), "--status-fd", str(status_w)]
         w.output.append(f"$ {' '.join(argv)}")
         try:
             proc = subprocess.Popen(
@@ -217,13 +234,17 @@ class EmbeddedWorkers:
                 stderr=subprocess.STDOUT,
                 env=env,
                 close_fds=True,
+                pass_fds=(status_w,),
             )
         except OSError as e:
+            os.close(status_r)
             w.output.append(f"could not start: {e}")
             w.exit_code = 127
             w.restart = False
             self._notify(w, False)
             return
+        finally:
+            os.close(status_w)
         with self._lock:
             w.proc, w.pid, w.exit_code = proc, proc.pid, None
             w.started_at = dt.datetime.now(dt.timezone.utc)
@@ -231,14 +252,16 @@ class EmbeddedWorkers:
             # a stop (x, or the console quitting) that came while it was being started, on a restart: the
             # new process is stopped at once, never left running with its stop forgotten
             unwanted = w.stopping or self._closed
-        threading.Thread(target=self._read, args=(w, proc), name=f"embedded-worker-{w.number}", daemon=True).start()
+        threading.Thread(
+            target=self._read, args=(w, proc, status_r), name=f"embedded-worker-{w.number}", daemon=True
+        ).start()
         if unwanted:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
 
     # ---------------------------------------------------------------- watching
 
-    def _read(self, w: EmbeddedWorker, proc: subprocess.Popen[bytes]) -> None:
+    def _read(self, w: EmbeddedWorker, proc: subprocess.Popen[bytes], status_fd: int) -> None:
         log: IO[str] | None = None
         try:
             log = open_private_log(w.log_path) if w.log_path is not None else None
@@ -266,6 +289,10 @@ class EmbeddedWorkers:
             if log is not None:
                 with contextlib.suppress(OSError):
                     log.close()
+            status = _read_status(status_fd)
+        # refused: before it ran (its arguments: a task module it cannot import), or said so after. Not any
+        # exit 2: a job's exit(2) (or a C library's) is a crash, restarted as any other
+        refused = code == USAGE_ERROR and (status[-1:] != ["started"])
         with self._lock:
             if w.proc is not proc:
                 return
@@ -274,13 +301,13 @@ class EmbeddedWorkers:
             if crashed:
                 w.crashes += 1
                 w.streak = w.streak + 1 if time.monotonic() - w.spawned_at < 30 else 1
-            if crashed and code == USAGE_ERROR:
+            if crashed and refused:
                 w.restart = False  # a task module that cannot be imported, say: starting again changes nothing
             restarting = crashed and w.restart and not self._closed
         w.output.append(f"[exited with code {code}{'' if not crashed else ': crashed'}]")
         if code != 0:
             self._end_leases(w, proc.pid)
-        if crashed and code == USAGE_ERROR:
+        if crashed and refused:
             w.output.append("[not restarted: the worker refused its configuration (see above)]")
         self._notify(w, restarting)
         if restarting:

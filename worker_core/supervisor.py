@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import psycopg
 
@@ -49,12 +50,17 @@ def end_dead_worker(dsn: str, *, worker_id: str | None = None, process: tuple[st
     return [str(r["id"]) for r in ended]
 
 
-def _child(config: WorkerConfig, log_format: str) -> None:
+def _child(config: WorkerConfig, log_format: str, refused: Any) -> None:
     from worker_core.logs import setup_logging
 
     setup_logging(log_format)
     _stop_when_orphaned()
-    raise SystemExit(run_worker(config))
+    code = run_worker(config)
+    if code == EXIT_CONFIG:
+        # said by the worker itself: an exit code alone is no proof, a payload (or a C library) may call
+        # exit(2), and that one is a crash to restart from
+        refused.value = 1
+    raise SystemExit(code)
 
 
 def _stop_when_orphaned() -> None:
@@ -82,6 +88,8 @@ class Supervisor:
         self.log = bound_logger("worker_core.supervisor")
         self.ctx = mp.get_context("spawn")
         self.children: dict[int, tuple[BaseProcess, str]] = {}
+        #: per worker id: set by the child when its worker refused its configuration (see _child)
+        self._refusals: dict[str, Any] = {}
         self.restarts = 0
         #: children that refused their configuration, and were not restarted
         self.refused = 0
@@ -95,9 +103,13 @@ class Supervisor:
         worker_id = f"{socket.gethostname()}:{os.getpid()}:w{slot}.{self._generation}"
         port = self.config.metrics_port + slot if self.config.metrics_port else None
         cfg = dataclasses.replace(self.config, worker_id=worker_id, dsn=self.dsn, metrics_port=port)
-        proc = self.ctx.Process(target=_child, args=(cfg, self.log_format), name=f"worker-{slot}", daemon=False)
+        refused = self.ctx.Value("b", 0, lock=False)
+        proc = self.ctx.Process(
+            target=_child, args=(cfg, self.log_format, refused), name=f"worker-{slot}", daemon=False
+        )
         proc.start()
         self.children[slot] = (proc, worker_id)
+        self._refusals[worker_id] = refused
 
     def _expire(self, worker_id: str) -> None:
         try:
@@ -150,15 +162,18 @@ class Supervisor:
                 if self.config.burst and proc.exitcode == 0:
                     del self.children[slot]
                     continue
-                if proc.exitcode == EXIT_CONFIG:
+                # whatever it died of, what it held is released now (a child that refused its configuration
+                # held nothing: its row only says stopped)
+                self._expire(worker_id)
+                refusal = self._refusals.pop(worker_id, None)
+                if proc.exitcode == EXIT_CONFIG and refusal is not None and refusal.value:
                     # its configuration was refused (a metrics port taken): restarted, it failed again and
-                    # again, for ever; the others go on
+                    # again, for ever; the others go on. A job's exit(2) is a crash like any other
                     self.log.error("worker %s refused its configuration: not restarted", worker_id)
                     del self.children[slot]
                     self.refused += 1
                     continue
                 self.log.warning("worker %s exited with %s: restarting", worker_id, proc.exitcode)
-                self._expire(worker_id)
                 now = time.monotonic()
                 self._recent_deaths = [t for t in self._recent_deaths if now - t < 30] + [now]
                 if len(self._recent_deaths) > 3 * self.processes:

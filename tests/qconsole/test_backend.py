@@ -197,6 +197,45 @@ def test_an_embedded_worker_that_refuses_its_configuration_is_not_restarted(tmp_
     launcher.stop_all(timeout=2)
 
 
+def test_an_embedded_worker_whose_job_exits_with_2_is_restarted(
+    dsn: str, conn: db.Conn, make_job: Any, tmp_path: Path
+) -> None:
+    # 2 is what `qconsole worker` exits with when it refuses its arguments, and what a payload (or a C
+    # library) calling exit(2) exits with: such a crash was taken for a refusal, the worker not restarted
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    launcher = EmbeddedWorkers(dsn, log_dir=tmp_path, shutdown_grace=1.0, env=env)
+    doomed = make_job("t.exit_code", {"code": 2})
+    w = launcher.start(["tests.worker_core.tasks"], concurrency=1)
+    try:
+        wait_for(lambda: w.crashes >= 1, 60, what="the job to end its worker")
+        wait_for(lambda: w.restarts >= 1 and w.running, 30, what="the restart")
+        assert "not restarted" not in "\n".join(w.output)
+        # restarted, it runs the job again (its lease ended at once), alone: its last attempt
+        wait_for(lambda: stats.get_job(conn, doomed).state == JobState.DEAD_LETTERED, 60, what="a poison pill")
+    finally:
+        launcher.stop_all(timeout=10)
+
+
+def test_an_embedded_worker_whose_metrics_port_is_taken_says_it_refused_and_is_not_restarted(
+    dsn: str, tmp_path: Path
+) -> None:
+    # refused once it runs (its arguments were taken): it says so on its status pipe
+    import socket
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        port = taken.getsockname()[1]
+        launcher = EmbeddedWorkers(dsn, log_dir=tmp_path, env=env, extra_args=["--metrics-port", str(port)])
+        w = launcher.start(["tests.worker_core.tasks"])
+        try:
+            wait_for(lambda: w.exit_code is not None, 60, what="the worker to refuse")
+        finally:
+            launcher.stop_all(timeout=10)
+    assert (w.exit_code, w.restarts, w.restart_pending) == (2, 0, False) and "not restarted" in w.output[-1]
+
+
 def test_stopping_an_embedded_worker_that_waits_to_restart_cancels_the_restart(tmp_path: Any) -> None:
     launcher = EmbeddedWorkers("postgresql://unused", command=["sh", "-c", "exit 3", "worker"], log_dir=tmp_path)
     w = launcher.start(["x.tasks"])

@@ -652,3 +652,16 @@ async def async_steps(ctx: JobContext, payload: dict[str, Any]) -> None:
 async def async_slow_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
     """t.slow_commit, async: its deferred trigger takes its time at COMMIT, after its timeout."""
     await ctx.tx.execute("INSERT INTO slow_commit (job_id) VALUES (%s)", (ctx.job_id,))
+
+
+@worker_core.task(
+    "t.exit_code",
+    retry=FAST,
+    max_attempts=2,
+    timeout=2,
+    visibility_timeout=8,
+    reason="tests need fast, bounded retries",
+)
+def exit_code(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Ends its process with ``code`` (a payload, or a C library, calling exit(2): not a refused configuration)."""
+    os._exit(payload["code"])

@@ -1237,6 +1237,21 @@ def test_processes_a_payload_that_kills_its_process_is_dead_lettered_while_other
     assert row is not None and (row["e"], row["d"]) == (2, 1) and row["s"] >= 1
 
 
+def test_processes_a_payload_that_exits_with_2_is_a_crash_not_a_refused_configuration(
+    conn: db.Conn, dsn: str
+) -> None:
+    # exit code 2 is also what a worker that refuses its configuration exits with: a job calling exit(2)
+    # had its process taken for one, not restarted, its leases left to run out, and with every child gone
+    # so the supervisor exited 2 ("bad input") with the jobs undone
+    doomed = enqueue(conn, "t.exit_code", {"code": 2}).id  # max_attempts 2
+    oks = [enqueue(conn, "t.ok", {"ledger": True, "item": str(i)}).id for i in range(4)]
+    sup = Supervisor(config(dsn, concurrency=2, task_modules=TASKS), processes=1)
+    assert supervised(sup, 90) == [0]
+    assert (sup.restarts, sup.refused) == (2, 0)  # one per run of it, none after
+    assert (state(dsn, doomed), kinds(dsn, doomed)) == ("dead_lettered", ["lease_expired", "lease_expired"])
+    assert all(state(dsn, j) == "succeeded" for j in oks)
+
+
 def test_a_worker_process_that_dies_during_the_stop_has_its_leases_ended(conn: db.Conn, dsn: str) -> None:
     # only a child the supervisor had to kill had its leases ended: one that died on its own during the
     # grace (a payload that kills its process) left its jobs running, held by nobody, for a whole lease
