@@ -127,7 +127,7 @@ class QConsoleApp(App[int]):
     def on_unmount(self) -> None:
         if self.launcher is not None:
             self.launcher.set_on_exit(None)
-            self.launcher.stop_all(timeout=5.0)
+            self.launcher.stop_all()
 
     async def action_quit(self) -> None:
         running = [w for w in self.launcher.workers() if w.running] if self.launcher is not None else []
@@ -140,7 +140,7 @@ class QConsoleApp(App[int]):
     @work(thread=True, exit_on_error=False, group="console-shutdown")
     def _stop_workers_and_exit(self) -> None:
         if self.launcher is not None:
-            self.launcher.stop_all(timeout=8.0)
+            self.launcher.stop_all()
         self.call_from_thread(self.exit, 0)
 
     # ---------------------------------------------------------------- shared state
@@ -315,6 +315,6 @@ def run_console(
         code = app.run()
     finally:
         if launcher is not None:
-            launcher.stop_all(timeout=8.0)
+            launcher.stop_all()
         backend.close()
     return int(code or 0)

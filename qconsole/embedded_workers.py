@@ -33,8 +33,12 @@ import psycopg
 from qconsole.widgets.fmt import printable
 from worker_core import db
 from worker_core.supervisor import end_dead_worker
+from worker_core.worker import WorkerConfig
 
 OUTPUT_LINES = 2000
+#: what a worker's stop may take beyond its shutdown grace and cancel grace: the worker waits cancel_grace
+#: + 3 s for a handler that does not stop, then joins its threads and writes its final beat
+STOP_MARGIN = 8.0
 #: what ``qconsole worker`` exits with when it refuses its arguments (a task module it cannot import)
 USAGE_ERROR = 2
 
@@ -132,7 +136,7 @@ class WorkerLauncher(Protocol):
 
     def stop(self, number: int) -> None: ...
 
-    def stop_all(self, timeout: float = 8.0) -> None: ...
+    def stop_all(self, timeout: float | None = None) -> None: ...
 
     def workers(self) -> list[EmbeddedWorker]: ...
 
@@ -158,6 +162,8 @@ class EmbeddedWorkers:
         # point its files elsewhere) or read: the workers' output holds job data (errors, keys, tenants)
         self.log_dir = log_dir if log_dir is not None else default_log_dir()
         self.shutdown_grace = shutdown_grace
+        #: the workers' cancel grace (WorkerConfig's: `qconsole worker` has no flag for it)
+        self.cancel_grace = WorkerConfig.cancel_grace
         self.extra_args = list(extra_args)
         self.env = env
         self._workers: dict[int, EmbeddedWorker] = {}
@@ -165,7 +171,14 @@ class EmbeddedWorkers:
         self._next = 1
         self._closed = False
         self._on_exit: Callable[[EmbeddedWorker, bool], None] | None = None
-        atexit.register(self.stop_all, 3.0)
+        atexit.register(self.stop_all)
+
+    @property
+    def stop_timeout(self) -> float:
+        """How long a worker may take to stop on SIGTERM, its running jobs finished or released: its
+        shutdown grace, then its cancel grace for a handler that does not stop, and a margin. Killed sooner,
+        its jobs' leases are left to run out and the jobs become suspects."""
+        return self.shutdown_grace + self.cancel_grace + STOP_MARGIN
 
     def set_on_exit(self, callback: Callable[[EmbeddedWorker, bool], None] | None) -> None:
         """``callback(worker, restarting)`` runs on a reader thread when a process ends."""
@@ -351,11 +364,16 @@ class EmbeddedWorkers:
             with contextlib.suppress(ProcessLookupError):
                 w.proc.send_signal(signal.SIGTERM)
 
-    def stop_all(self, timeout: float = 8.0) -> None:
-        """Stop every worker: SIGTERM, wait up to ``timeout`` seconds, then SIGKILL what is left."""
+    def stop_all(self, timeout: float | None = None) -> None:
+        """Stop every worker: SIGTERM, wait up to ``timeout`` seconds (their :attr:`stop_timeout` unless
+        told), then SIGKILL what is left. The leases of a worker killed or dead are ended before it returns:
+        its reader thread, a daemon, may die with the interpreter first."""
+        if timeout is None:
+            timeout = self.stop_timeout
         with self._lock:
             self._closed = True
             workers = list(self._workers.values())
+        live = {w.number for w in workers if w.running}
         for w in workers:
             w.stopping = True
             if w.running and w.proc is not None:
@@ -368,9 +386,14 @@ class EmbeddedWorkers:
             try:
                 w.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                w.output.append(f"[did not stop within {timeout:g}s: killed]")
                 w.proc.kill()
                 w.proc.wait(5)
             with self._lock:
                 # gone: say so now, not when its reader thread gets to the end of its output
                 if w.exit_code is None and w.proc is not None and w.proc.returncode is not None:
                     w.exit_code = w.proc.returncode
+            if w.number in live and w.proc.returncode not in (None, 0):
+                # killed, or died during its stop: what it held is released now (its reader thread does it
+                # too, and finds nothing left), not when its leases run out
+                self._end_leases(w, w.proc.pid)

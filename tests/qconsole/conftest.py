@@ -329,7 +329,7 @@ class FakeLauncher:
     def stop(self, number: int) -> None:
         self.stopped.append(number)
 
-    def stop_all(self, timeout: float = 8.0) -> None:
+    def stop_all(self, timeout: float | None = None) -> None:
         pass
 
     def workers(self) -> list[EmbeddedWorker]:

@@ -665,3 +665,4 @@ async def async_slow_commit(ctx: JobContext, payload: dict[str, Any]) -> None:
 def exit_code(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Ends its process with ``code`` (a payload, or a C library, calling exit(2): not a refused configuration)."""
     os._exit(payload["code"])
+
