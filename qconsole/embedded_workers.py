@@ -1,7 +1,7 @@
 """Worker processes started from the console: ``python -m qconsole worker --tasks ... --queue ...``.
 
 Each one is a child process whose output (stdout and stderr) goes to a ring buffer the console shows
-and to a log file. Nothing here blocks the UI: starting is a ``Popen``, stopping sends SIGTERM and
+and to a log file. Nothing here blocks the UI: starting is a ``Popen``, stopping sends STOP_SIGNAL and
 returns, and a reader thread per process notices when it ended. A crash (a non-zero exit the console did
 not ask for) is reported through ``on_exit`` and, with ``restart``, the worker is started again with
 backoff. :meth:`EmbeddedWorkers.stop_all` ends them all when the console quits (and at interpreter
@@ -15,7 +15,6 @@ import collections
 import contextlib
 import datetime as dt
 import os
-import signal
 import socket
 import stat
 import subprocess
@@ -32,6 +31,7 @@ import psycopg
 
 from qconsole.widgets.fmt import printable
 from worker_core import db
+from worker_core.signals import SUPERVISOR_STOP
 from worker_core.supervisor import end_dead_worker
 from worker_core.worker import WorkerConfig
 
@@ -39,6 +39,9 @@ OUTPUT_LINES = 2000
 #: what a worker's stop may take beyond its shutdown grace and cancel grace: the worker waits cancel_grace
 #: + 3 s for a handler that does not stop, then joins its threads and writes its final beat
 STOP_MARGIN = 8.0
+#: what the console stops its workers with: a graceful stop that never counts as a second signal (as a
+#: supervisor's, see worker_core.signals); a SIGTERM after a first one released the running jobs at once
+STOP_SIGNAL = SUPERVISOR_STOP
 #: what ``qconsole worker`` exits with when it refuses its arguments (a task module it cannot import)
 USAGE_ERROR = 2
 
@@ -175,7 +178,7 @@ class EmbeddedWorkers:
 
     @property
     def stop_timeout(self) -> float:
-        """How long a worker may take to stop on SIGTERM, its running jobs finished or released: its
+        """How long a worker may take to stop when asked, its running jobs finished or released: its
         shutdown grace, then its cancel grace for a handler that does not stop, and a margin. Killed sooner,
         its jobs' leases are left to run out and the jobs become suspects."""
         return self.shutdown_grace + self.cancel_grace + STOP_MARGIN
@@ -248,6 +251,10 @@ class EmbeddedWorkers:
                 env=env,
                 close_fds=True,
                 pass_fds=(status_w,),
+                # a session of its own: a terminal's signals (SIGHUP when an SSH connection drops, a Ctrl-C)
+                # are not its own, or the console's stop on top of one was its second signal (release now).
+                # The console stops it itself on every way out, and its stdin pipe when the console dies
+                start_new_session=True,
             )
         except OSError as e:
             os.close(status_r)
@@ -270,7 +277,7 @@ class EmbeddedWorkers:
         ).start()
         if unwanted:
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(STOP_SIGNAL)
 
     # ---------------------------------------------------------------- watching
 
@@ -355,19 +362,24 @@ class EmbeddedWorkers:
     # ---------------------------------------------------------------- stopping
 
     def stop(self, number: int) -> None:
-        """Ask one worker to stop (SIGTERM: it finishes or releases its jobs). Returns at once."""
+        """Ask one worker to stop (it finishes or releases its jobs within its grace). Returns at once."""
         w = self.get(number)
         if w is None:
             raise KeyError(f"no embedded worker #{number}")
-        w.stopping = True
-        if w.running and w.proc is not None:
+        self._ask_to_stop(w)
+
+    def _ask_to_stop(self, w: EmbeddedWorker) -> None:
+        """STOP_SIGNAL, once: a worker asked already (``x``, then ``q``) is stopping within its grace."""
+        with self._lock:
+            asked, w.stopping = w.stopping, True
+        if not asked and w.running and w.proc is not None:
             with contextlib.suppress(ProcessLookupError):
-                w.proc.send_signal(signal.SIGTERM)
+                w.proc.send_signal(STOP_SIGNAL)
 
     def stop_all(self, timeout: float | None = None) -> None:
-        """Stop every worker: SIGTERM, wait up to ``timeout`` seconds (their :attr:`stop_timeout` unless
-        told), then SIGKILL what is left. The leases of a worker killed or dead are ended before it returns:
-        its reader thread, a daemon, may die with the interpreter first."""
+        """Stop every worker (STOP_SIGNAL, unless asked already), wait up to ``timeout`` seconds (their
+        :attr:`stop_timeout` unless told), then SIGKILL what is left. The leases of a worker killed or dead
+        are ended before it returns: its reader thread, a daemon, may die with the interpreter first."""
         if timeout is None:
             timeout = self.stop_timeout
         with self._lock:
@@ -375,10 +387,7 @@ class EmbeddedWorkers:
             workers = list(self._workers.values())
         live = {w.number for w in workers if w.running}
         for w in workers:
-            w.stopping = True
-            if w.running and w.proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.send_signal(signal.SIGTERM)
+            self._ask_to_stop(w)
         deadline = time.monotonic() + timeout
         for w in workers:
             if w.proc is None:

@@ -23,7 +23,7 @@ import psycopg
 from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK
 from worker_core.logs import bound_logger
-from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, relay_signals
+from worker_core.signals import STOP_SIGNALS, SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, relay_signals
 from worker_core.sql import queries
 from worker_core.worker import EXIT_CONFIG, WorkerConfig, run_worker
 
@@ -124,12 +124,14 @@ class Supervisor:
         self._stop.set()
 
     def _install_signals(self) -> None:
-        relay_signals(self._on_signal)  # not from the handler: see worker_core.signals
+        # not from the handler: see worker_core.signals. SUPERVISOR_STOP too, as a worker takes it (from a
+        # console that started this one, say): graceful, never a second signal
+        relay_signals(self._on_signal, (*STOP_SIGNALS, SUPERVISOR_STOP))
 
     def _on_signal(self, signum: int) -> None:
         """The first: stop (the children get SUPERVISOR_STOP, graceful). A second: the children release
         their running jobs now."""
-        if self._stop.is_set():
+        if self._stop.is_set() and signum != SUPERVISOR_STOP:
             self._signal_children(SUPERVISOR_STOP_NOW)
         self.stop()
 

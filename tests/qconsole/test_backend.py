@@ -259,6 +259,31 @@ def test_the_console_quitting_gives_its_workers_their_whole_stop(
     assert stats.get_job(conn, slow).state == JobState.QUEUED  # released, its attempt given back
 
 
+def test_a_worker_stopped_then_stopped_again_with_the_console_keeps_its_grace(
+    dsn: str, conn: db.Conn, make_job: Any, tmp_path: Path
+) -> None:
+    # `x` on a worker, then `q`: the console sent it a second SIGTERM, which a worker takes for "release now":
+    # its running job was released and ran again (what it did outside ctx.tx, twice)
+    launcher = _real_launcher(dsn, tmp_path, shutdown_grace=30.0)
+    slow = make_job("t.slow", {"seconds": 2})
+    w = launcher.start(["tests.worker_core.tasks"], concurrency=1)
+    try:
+        wait_for(lambda: stats.get_job(conn, slow).state == JobState.RUNNING, 60, what="the job to start")
+        assert w.pid is not None
+        group = os.getpgid(w.pid)
+        launcher.stop(w.number)
+        wait_for(lambda: any("stopping" in line for line in w.output), 10, what="the worker to stop")
+    finally:
+        launcher.stop_all()
+    assert w.exit_code == 0, "\n".join(w.output)
+    done = stats.get_job(conn, slow)
+    assert (done.state, done.attempts) == (JobState.SUCCEEDED, 1)  # finished within its grace, once
+    # a session of its own: a terminal's SIGHUP (an SSH connection dropped) or Ctrl-C was a first signal to
+    # it, and the console's stop on top of it a second. The console stops it itself, on every way out
+    # (and its standard input, a pipe the console holds, stops it when the console dies)
+    assert group == w.pid
+
+
 def test_a_worker_the_console_had_to_kill_has_its_leases_ended_before_the_console_exits(
     dsn: str, conn: db.Conn, make_job: Any, tmp_path: Path
 ) -> None:
