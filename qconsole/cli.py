@@ -539,6 +539,7 @@ def worker(
         fail(str(e), 2)
     if code == EXIT_CONFIG:
         _tell(status_fd, b"refused")
+    _ROOT["worker_ran"] = True  # main() ends the process: see worker_core.supervisor.exit_process
     raise typer.Exit(code)
 
 
@@ -795,6 +796,14 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except SystemExit as e:
+        if _ROOT.get("worker_ran"):
+            # a worker that ran and stopped: a thread a handler left blocking (asyncio.to_thread) is not
+            # waited for, the interpreter's exit would join it unbounded
+            from worker_core.supervisor import exit_process
+
+            exit_process(e.code if isinstance(e.code, int) else 1)
+        raise
 
 
 if __name__ == "__main__":

@@ -8,15 +8,17 @@ jobs within the grace period; a second one, as SUPERVISOR_STOP_NOW, ends the gra
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
 import socket
+import sys
 import threading
 import time
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 
@@ -60,7 +62,25 @@ def _child(config: WorkerConfig, log_format: str, refused: Any) -> None:
         # said by the worker itself: an exit code alone is no proof, a payload (or a C library) may call
         # exit(2), and that one is a crash to restart from
         refused.value = 1
-    raise SystemExit(code)
+    exit_process(code)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a worker process whose Worker.run() returned (its jobs released, its final beat written) now.
+
+    The interpreter's own exit joins the threads of every concurrent.futures executor, unbounded: an async
+    handler's asyncio.to_thread (or run_in_executor) call blocking on after its job was released kept the
+    process for as long as it ran (under --processes, until the supervisor killed it, its leases left to
+    run out). What atexit runs is run first, explicitly: the embedded server's bookkeeping (the last process
+    using it stops it), the logging handlers' flush, multiprocessing's own; then the standard streams are
+    flushed, and ``os._exit``."""
+    try:
+        atexit._run_exitfuncs()  # each one's error is printed, and the others run
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def _stop_when_orphaned() -> None:
@@ -209,4 +229,4 @@ def run_supervised(config: WorkerConfig, processes: int, log_format: str = "text
     return Supervisor(config, processes, log_format).run()
 
 
-__all__ = ["Supervisor", "end_dead_worker", "run_supervised"]
+__all__ = ["Supervisor", "end_dead_worker", "exit_process", "run_supervised"]

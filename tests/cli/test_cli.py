@@ -553,6 +553,38 @@ def test_a_worker_on_the_embedded_server_starts_it_again_when_it_was_killed() ->
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_worker_whose_handler_left_a_thread_blocking_exits_once_stopped(
+    dsn: str, conn: db.Conn, tmp_path: Path, processes: int
+) -> None:
+    # an async handler's asyncio.to_thread (run_in_executor) call went on in its thread after the job was
+    # released, and the interpreter joins such threads at exit, unbounded: the process stayed until it
+    # ended (under --processes, the supervisor killed it after its grace)
+    import signal
+
+    from tests.worker_core.helpers import state, wait_for
+    from worker_core.producer import enqueue
+
+    job = enqueue(conn, "t.async_to_thread", {"seconds": 600}).id
+    env = {k: v for k, v in os.environ.items() if k not in ("QCONSOLE_DSN", "DATABASE_URL")}
+    env.update(QCONSOLE_DSN=dsn, PYTHONPATH=str(ROOT))
+    argv = [sys.executable, "-m", "qconsole", "worker", "--tasks", "tests.worker_core.tasks", "--shutdown-grace", "1",
+            "--processes", str(processes)]  # fmt: skip
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        worker = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: state(dsn, job) == "running", 60, what="the job to start")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, log.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(10)
+    assert "did not stop in time" not in log.read_text(), log.read_text()
+    assert state(dsn, job) == "queued"  # released, its attempt given back
+
+
 @pytest.fixture
 def migrations_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The shipped migrations in a folder of the test's own, which ``qconsole migrate`` applies."""

@@ -666,3 +666,9 @@ def exit_code(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Ends its process with ``code`` (a payload, or a C library, calling exit(2): not a refused configuration)."""
     os._exit(payload["code"])
 
+
+
+@worker_core.task("t.async_to_thread", retry=FAST, timeout=60, reason="tests need fast, bounded retries")
+async def async_to_thread(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Awaits a blocking call on the event loop's default executor: cancelled, the thread sleeps on."""
+    await asyncio.to_thread(time.sleep, payload["seconds"])
