@@ -33,7 +33,8 @@ from worker_core.worker import EXIT_CONFIG, WorkerConfig, run_worker
 def end_dead_worker(dsn: str, *, worker_id: str | None = None, process: tuple[str, int] | None = None) -> list[str]:
     """A worker process that died without stopping (killed, crashed, or a payload that killed it): its leases
     end now, so any worker reclaims its jobs at once instead of when their visibility timeout runs out, and
-    its row in ``workers`` says it stopped (it read as alive until its heartbeat went stale, then as lost).
+    its row in ``workers`` says it stopped (it read as alive until its heartbeat went stale, then as lost),
+    and the lock_key leases of those jobs (PostgreSQL backend; Redis ones run out by themselves) end too.
     Name it by ``worker_id``, or by ``process`` = (host, pid) when its id is not known (a worker a console
     started). Returns the ids of the jobs whose leases ended; raises psycopg.Error (the leases then still
     run out by themselves)."""
@@ -47,6 +48,8 @@ def end_dead_worker(dsn: str, *, worker_id: str | None = None, process: tuple[st
             ids = [worker_id]
         now = SYSTEM_CLOCK.now()
         ended = conn.execute(queries["expire_worker_leases"], {"now": now, "workers": ids}).fetchall()
+        if ended:
+            conn.execute(queries["release_locks_of_jobs"], {"jobs": [r["id"] for r in ended]})
         for one in ids:
             conn.execute(queries["worker_stopped"], {"now": now, "id": one})
     return [str(r["id"]) for r in ended]

@@ -1252,6 +1252,23 @@ def test_processes_a_payload_that_exits_with_2_is_a_crash_not_a_refused_configur
     assert all(state(dsn, j) == "succeeded" for j in oks)
 
 
+def test_ending_a_dead_workers_leases_ends_its_jobs_lock_leases_too(conn: db.Conn, dsn: str) -> None:
+    # the job's lease ended, its lock_key lease did not: reclaimed at once, it found its own lock taken and
+    # was rescheduled for contention every ~2 s until the lock's lease (its visibility timeout) ran out
+    from worker_core.supervisor import end_dead_worker
+
+    held = enqueue(conn, "t.ok", {}, lock_key="order:1").id
+    other = enqueue(conn, "t.ok", {}, lock_key="order:2").id
+    conn.execute("UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'dead', "
+                 "locked_until = now() + interval '1 hour' WHERE id = %s", (held,))  # fmt: skip
+    conn.execute("INSERT INTO resource_locks (lock_key, token, job_id, expires_at) VALUES "
+                 "('order:1', 'a', %s, now() + interval '1 hour'), ('order:2', 'b', %s, now() + interval '1 hour')",
+                 (held, other))  # fmt: skip
+    conn.commit()
+    assert end_dead_worker(dsn, worker_id="dead") == [str(held)]
+    assert scalar(dsn, "SELECT array_agg(lock_key) FROM resource_locks") == ["order:2"]  # another's stays
+
+
 def test_a_worker_process_that_dies_during_the_stop_has_its_leases_ended(conn: db.Conn, dsn: str) -> None:
     # only a child the supervisor had to kill had its leases ended: one that died on its own during the
     # grace (a payload that kills its process) left its jobs running, held by nobody, for a whole lease

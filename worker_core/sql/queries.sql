@@ -424,6 +424,11 @@ UPDATE job_queue SET locked_until = %(now)s - interval '1 millisecond', updated_
 WHERE state = 'running' AND locked_by = ANY(%(workers)s)
 RETURNING id;
 
+-- name: release_locks_of_jobs
+-- ... and, in the same transaction, the lock_key leases those jobs held (PostgreSQL backend): else the
+-- reclaimed job found its own lock taken and was rescheduled for contention until it ran out.
+DELETE FROM resource_locks WHERE job_id = ANY(%(jobs)s);
+
 ------------------------------------------------------------------------------------------------------
 -- lock_key leases (PostgreSQL backend): token-fenced, expiring, so a dead holder frees it by itself.
 ------------------------------------------------------------------------------------------------------
