@@ -533,7 +533,7 @@ def worker(
         _stop_on_stdin_eof(supervised=processes > 1)
     _tell(status_fd, b"started")
     try:
-        code = run_supervised(config, processes, log_format) if processes > 1 else run_worker(config)
+        code = run_supervised(config, processes, log_format, log_level) if processes > 1 else run_worker(config)
     except ValueError as e:
         _tell(status_fd, b"refused")
         fail(str(e), 2)

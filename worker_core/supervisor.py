@@ -55,10 +55,10 @@ def end_dead_worker(dsn: str, *, worker_id: str | None = None, process: tuple[st
     return [str(r["id"]) for r in ended]
 
 
-def _child(config: WorkerConfig, log_format: str, refused: Any) -> None:
+def _child(config: WorkerConfig, log_format: str, log_level: str | int, refused: Any) -> None:
     from worker_core.logs import setup_logging
 
-    setup_logging(log_format)
+    setup_logging(log_format, log_level)
     _stop_when_orphaned()
     code = run_worker(config)
     if code == EXIT_CONFIG:
@@ -104,10 +104,13 @@ def _stop_when_orphaned() -> None:
 
 
 class Supervisor:
-    def __init__(self, config: WorkerConfig, processes: int, log_format: str = "text") -> None:
+    def __init__(
+        self, config: WorkerConfig, processes: int, log_format: str = "text", log_level: str | int = "INFO"
+    ) -> None:
         self.config = config
         self.processes = processes
         self.log_format = log_format
+        self.log_level = log_level
         self.log = bound_logger("worker_core.supervisor")
         self.ctx = mp.get_context("spawn")
         self.children: dict[int, tuple[BaseProcess, str]] = {}
@@ -128,7 +131,7 @@ class Supervisor:
         cfg = dataclasses.replace(self.config, worker_id=worker_id, dsn=self.dsn, metrics_port=port)
         refused = self.ctx.Value("b", 0, lock=False)
         proc = self.ctx.Process(
-            target=_child, args=(cfg, self.log_format, refused), name=f"worker-{slot}", daemon=False
+            target=_child, args=(cfg, self.log_format, self.log_level, refused), name=f"worker-{slot}", daemon=False
         )
         proc.start()
         self.children[slot] = (proc, worker_id)
@@ -228,8 +231,10 @@ class Supervisor:
         return 0
 
 
-def run_supervised(config: WorkerConfig, processes: int, log_format: str = "text") -> int:
-    return Supervisor(config, processes, log_format).run()
+def run_supervised(
+    config: WorkerConfig, processes: int, log_format: str = "text", log_level: str | int = "INFO"
+) -> int:
+    return Supervisor(config, processes, log_format, log_level).run()
 
 
 __all__ = ["Supervisor", "end_dead_worker", "exit_process", "run_supervised"]

@@ -585,6 +585,17 @@ def test_a_worker_whose_handler_left_a_thread_blocking_exits_once_stopped(
     assert state(dsn, job) == "queued"  # released, its attempt given back
 
 
+def test_the_log_level_holds_for_the_worker_processes_too(dsn: str, tmp_path: Path) -> None:
+    # --log-level was set in the supervisor only: its children logged at INFO whatever it said
+    env = {k: v for k, v in os.environ.items() if k not in ("QCONSOLE_DSN", "DATABASE_URL")}
+    env.update(QCONSOLE_DSN=dsn, PYTHONPATH=str(ROOT))
+    argv = [sys.executable, "-m", "qconsole", "worker", "--tasks", "tests.worker_core.tasks", "--burst",
+            "--processes", "2", "--poll-interval", "0.1", "--log-level", "WARNING"]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "worker starting" not in done.stderr and "INFO" not in done.stderr, done.stderr
+
+
 @pytest.fixture
 def migrations_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The shipped migrations in a folder of the test's own, which ``qconsole migrate`` applies."""
