@@ -4,6 +4,7 @@ The supervisor restarts a child that dies (with backoff when it keeps dying), an
 leases at once so its jobs are reclaimed without waiting for their visibility timeout. A stop signal is
 passed on to the children (as SUPERVISOR_STOP: see worker_core.signals), which finish or release their
 jobs within the grace period; a second one, as SUPERVISOR_STOP_NOW, ends the grace. Then it exits 0.
+Children that keep dying before their first heartbeat (GIVE_UP_AFTER in a row) make it give up: EXIT_GAVE_UP.
 """
 
 from __future__ import annotations
@@ -29,15 +30,28 @@ from worker_core.signals import STOP_SIGNALS, SUPERVISOR_STOP, SUPERVISOR_STOP_N
 from worker_core.sql import queries
 from worker_core.worker import EXIT_CONFIG, WorkerConfig, run_worker
 
+#: what a supervisor exits with when its worker processes keep dying before their first heartbeat
+EXIT_GAVE_UP = 4
+#: how many of them in a row (whatever their slot), each within STARTUP_SECONDS of its start
+GIVE_UP_AFTER = 5
+STARTUP_SECONDS = 60.0
+
 
 def end_dead_worker(dsn: str, *, worker_id: str | None = None, process: tuple[str, int] | None = None) -> list[str]:
+    """A worker process that died without stopping: its leases end now (see :func:`_end_dead_worker`)."""
+    return _end_dead_worker(dsn, worker_id=worker_id, process=process)[0]
+
+
+def _end_dead_worker(
+    dsn: str, *, worker_id: str | None = None, process: tuple[str, int] | None = None
+) -> tuple[list[str], bool]:
     """A worker process that died without stopping (killed, crashed, or a payload that killed it): its leases
     end now, so any worker reclaims its jobs at once instead of when their visibility timeout runs out, and
     its row in ``workers`` says it stopped (it read as alive until its heartbeat went stale, then as lost),
     and the lock_key leases of those jobs (PostgreSQL backend; Redis ones run out by themselves) end too.
     Name it by ``worker_id``, or by ``process`` = (host, pid) when its id is not known (a worker a console
     started). Returns the ids of the jobs whose leases ended; raises psycopg.Error (the leases then still
-    run out by themselves)."""
+    run out by themselves). :func:`_end_dead_worker` says too whether it had a row (it beat once at least)."""
     if (worker_id is None) == (process is None):
         raise ValueError("name the worker by its id or by its process")
     with db.connect(dsn, application_name="qconsole-supervisor") as conn, conn.transaction():
@@ -50,9 +64,10 @@ def end_dead_worker(dsn: str, *, worker_id: str | None = None, process: tuple[st
         ended = conn.execute(queries["expire_worker_leases"], {"now": now, "workers": ids}).fetchall()
         if ended:
             conn.execute(queries["release_locks_of_jobs"], {"jobs": [r["id"] for r in ended]})
+        beat = False
         for one in ids:
-            conn.execute(queries["worker_stopped"], {"now": now, "id": one})
-    return [str(r["id"]) for r in ended]
+            beat = conn.execute(queries["worker_stopped"], {"now": now, "id": one}).rowcount > 0 or beat
+    return [str(r["id"]) for r in ended], beat
 
 
 def _child(config: WorkerConfig, log_format: str, log_level: str | int, refused: Any) -> None:
@@ -116,6 +131,9 @@ class Supervisor:
         self.children: dict[int, tuple[BaseProcess, str]] = {}
         #: per worker id: set by the child when its worker refused its configuration (see _child)
         self._refusals: dict[str, Any] = {}
+        self._started_at: dict[str, float] = {}
+        #: children in a row that died within STARTUP_SECONDS of their start, before their first heartbeat
+        self._stillborn = 0
         self.restarts = 0
         #: children that refused their configuration, and were not restarted
         self.refused = 0
@@ -136,15 +154,18 @@ class Supervisor:
         proc.start()
         self.children[slot] = (proc, worker_id)
         self._refusals[worker_id] = refused
+        self._started_at[worker_id] = time.monotonic()
 
-    def _expire(self, worker_id: str) -> None:
+    def _expire(self, worker_id: str) -> bool | None:
+        """Ends a dead child's leases. Whether it had beaten once at least (None: the database did not say)."""
         try:
-            ended = end_dead_worker(self.dsn, worker_id=worker_id)
+            ended, beat = _end_dead_worker(self.dsn, worker_id=worker_id)
         except psycopg.Error as e:
             self.log.warning("could not end the leases of %s: %s", worker_id, db.redact(str(e), self.dsn))
-            return
+            return None
         if ended:
             self.log.warning("ended %s leases of dead worker %s", len(ended), worker_id)
+        return beat
 
     def stop(self) -> None:
         self._stop.set()
@@ -192,7 +213,7 @@ class Supervisor:
                     continue
                 # whatever it died of, what it held is released now (a child that refused its configuration
                 # held nothing: its row only says stopped)
-                self._expire(worker_id)
+                beat = self._expire(worker_id)
                 refusal = self._refusals.pop(worker_id, None)
                 if proc.exitcode == EXIT_CONFIG and refusal is not None and refusal.value:
                     # its configuration was refused (a metrics port taken): restarted, it failed again and
@@ -201,6 +222,22 @@ class Supervisor:
                     del self.children[slot]
                     self.refused += 1
                     continue
+                if beat is False and time.monotonic() - self._started_at.pop(worker_id, 0.0) < STARTUP_SECONDS:
+                    self._stillborn += 1  # died at its start, before its first beat
+                elif beat:
+                    self._stillborn = 0
+                if self._stillborn >= GIVE_UP_AFTER:
+                    # failing for good at start (a module it cannot import there, say): restarted every few
+                    # seconds for ever, the service looked up; exit non-zero so a process manager sees it
+                    self.log.error(
+                        "%s worker processes in a row died before their first heartbeat (the last exited with %s):"
+                        " giving up, see their errors above",
+                        self._stillborn,
+                        proc.exitcode,
+                    )
+                    del self.children[slot]
+                    self._shutdown()
+                    return EXIT_GAVE_UP
                 self.log.warning("worker %s exited with %s: restarting", worker_id, proc.exitcode)
                 now = time.monotonic()
                 self._recent_deaths = [t for t in self._recent_deaths if now - t < 30] + [now]
@@ -237,4 +274,4 @@ def run_supervised(
     return Supervisor(config, processes, log_format, log_level).run()
 
 
-__all__ = ["Supervisor", "end_dead_worker", "exit_process", "run_supervised"]
+__all__ = ["EXIT_GAVE_UP", "Supervisor", "end_dead_worker", "exit_process", "run_supervised"]

@@ -1304,6 +1304,17 @@ def test_a_worker_whose_metrics_port_is_taken_exits_as_misconfigured_and_is_not_
         assert (supervised(sup, 60), sup.restarts, sup.refused) == ([2], 0, 1)
 
 
+def test_a_supervisor_whose_workers_die_before_their_first_heartbeat_gives_up(dsn: str) -> None:
+    # a child that fails at start for good (a module it cannot import there) was restarted every ~3 s for
+    # ever, and the supervisor exited 0 on SIGTERM: Restart=on-failure and alerting never saw it
+    from worker_core.supervisor import EXIT_GAVE_UP, GIVE_UP_AFTER
+
+    cfg = config(dsn, burst=False, task_modules=("tests.worker_core.tasks_broken_in_child",), shutdown_grace=1)
+    sup = Supervisor(cfg, processes=2)
+    assert supervised(sup, 120) == [EXIT_GAVE_UP] and EXIT_GAVE_UP not in (0, 1, 2, 3)
+    assert sup.restarts == GIVE_UP_AFTER - 1  # every death before the last was restarted
+
+
 def test_a_supervisor_that_cannot_start_a_worker_stops_the_ones_it_started(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
