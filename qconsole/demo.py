@@ -225,5 +225,5 @@ def run_demo(refresh: float = 1.0, workers: int = 2, dsn: str | None = None) -> 
     finally:
         feeder.stop()
         print("qconsole demo: stopping workers…", flush=True)
-        launcher.stop_all(timeout=8.0)
+        launcher.stop_all()  # their whole stop: grace, cancel grace, settlement
         feeder.join(5)
