@@ -407,11 +407,21 @@ def test_a_killed_server_is_started_again_by_a_process_attached_to_it(
 ) -> None:
     # its workers logged `heartbeat failed: ... Connection refused` and the console showed its outage banner
     # for ever, until some other qconsole command started the server again
+    # as a worker's beats do, it tries again a while: a connection can meet the killed server's last breath
     attached = spawn(START_AND_EXIT + textwrap.dedent("""
-        from worker_core import db
+        import psycopg
+        from worker_core import db, embedded
         for _ in sys.stdin:
-            with db.connect(uri) as conn:
-                print(conn.execute("select 'up' as up").fetchone()["up"], flush=True)
+            until = time.monotonic() + 3 * embedded.REVIVE_EVERY
+            while True:
+                try:
+                    with db.connect(uri) as conn:
+                        print(conn.execute("select 'up' as up").fetchone()["up"], flush=True)
+                    break
+                except psycopg.OperationalError:
+                    if time.monotonic() > until:
+                        raise
+                    time.sleep(0.5)
         """), pgdata, stdin=subprocess.PIPE)
     procs.append(attached)
     assert attached.stdin is not None and attached.stdout is not None
