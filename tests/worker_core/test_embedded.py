@@ -485,6 +485,52 @@ def test_the_console_over_a_killed_server_starts_it_again(pgdata: Path, procs: l
     assert postmaster(pgdata) is None
 
 
+NOT_THE_PARENT = """
+import logging, sys
+from pathlib import Path
+from worker_core import embedded
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="log: %(message)s")
+uri = embedded.start_embedded(Path(sys.argv[1]))
+print("attached", flush=True)
+sys.stdin.readline()
+print(embedded.revive_if_down(uri), embedded.revive_if_down(uri), flush=True)
+"""
+
+
+def test_a_killed_server_whose_parent_is_this_process_is_reaped_and_started_again(pgdata: Path) -> None:
+    # a container's PID 1 (`qconsole worker` as its command), or any subreaper: the killed postmaster stayed a
+    # zombie under the worker, postgres refused to start beside it, and revive_if_down returned False, silently,
+    # for ever. A process attached to it that is not its parent cannot reap it: it says so, once.
+    out = ok(run(f"""
+        import ctypes, os, signal, subprocess
+        import psutil
+        from worker_core import db
+        assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER, as PID 1
+        uri = start_embedded(PGDATA)
+        pid = int((PGDATA / "postmaster.pid").read_text().split()[0])
+        assert psutil.Process(pid).ppid() == os.getpid()  # pg_ctl's daemon, reparented to this process
+        other = subprocess.Popen(
+            [sys.executable, "-c", {NOT_THE_PARENT!r}, str(PGDATA)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert other.stdout.readline().strip() == "attached"
+        os.kill(pid, signal.SIGKILL)
+        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.05)
+        said, _ = other.communicate("go\\n", timeout=60)
+        print(said.strip())
+        with db.connect(uri) as conn:  # revive_if_down: this process reaps it, and starts it again
+            print(conn.execute("select 'up' as up").fetchone()["up"])
+        print("zombie" if psutil.pid_exists(pid) else "reaped")
+        """, pgdata))
+    lines = out.strip().splitlines()
+    assert lines[-2:] == ["up", "reaped"], out
+    said = "\n".join(lines[:-2])
+    assert said.count("log: ") == 1 and "reaps it" in said and "--init" in said, out  # said once
+    assert said.splitlines()[-1] == "False False", out
+    assert postmaster(pgdata) is None  # the last process attached stopped the server it revived
+
+
 def test_a_dead_server_is_started_again_at_most_every_few_seconds(pgdata: Path) -> None:
     out = ok(run("""
         import os, signal
