@@ -250,10 +250,16 @@ def demo(
     ] = None,
 ) -> None:
     """The console over the embedded PostgreSQL, with workers and a live demo workload."""
-    from qconsole.demo import run_demo
+    from qconsole.demo import demo_dsn, run_demo
 
     _refuse_if_read_only("demo")
-    raise typer.Exit(run_demo(refresh, workers, _dsn(dsn)))
+    typer.echo("qconsole demo: starting PostgreSQL and migrating…")
+    try:
+        target = demo_dsn(_dsn(dsn))
+    except RuntimeError as e:  # the embedded server cannot start (EmbeddedUnavailable): the message says what to do
+        fail(str(e), 3)
+    _migrate_or_exit(target)  # as `qconsole migrate` says it, and exits
+    raise typer.Exit(run_demo(target, refresh, workers))
 
 
 # ------------------------------------------------------------------------------------------------ schema
@@ -279,13 +285,25 @@ def migrate(
         target = db.resolve_dsn(_dsn(dsn))
     except RuntimeError as e:  # the embedded server cannot start: the message says what to do
         fail(str(e), 3)
+    applied = _migrate_or_exit(target, wait, lock_wait)
+    if applied:
+        for m in applied:
+            typer.echo(f"applied {m.version:04d}_{m.name}")
+    else:
+        typer.echo("up to date")
+    with contextlib.suppress(psycopg.Error), db.connect(target, application_name="qconsole-migrate") as conn:
+        _warn_if_newer(conn)
+
+
+def _migrate_or_exit(target: str, wait: float = 600.0, lock_wait: str = "10m") -> list[Migration]:
+    """The migrations applied to ``target``, or exit with what went wrong (`qconsole migrate`, the demo)."""
     try:
         conn = db.connect(target, application_name="qconsole-migrate")
     except psycopg.Error as e:  # unreachable, or a DSN libpq cannot parse (its error quotes it)
         fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
     try:
         with conn:
-            applied = run_migrations(conn, lock_wait=wait, on_wait=_say_lock_wait)
+            return run_migrations(conn, lock_wait=wait, on_wait=_say_lock_wait)
     except MigrationFailed as e:
         _migration_failed(e, target, lock_wait)
     except psycopg.OperationalError as e:
@@ -296,13 +314,6 @@ def migrate(
         fail(f"this role cannot migrate: run it as the schema's owner ({db.redact(str(e).strip(), target)})", 1)
     except psycopg.Error as e:  # a migration the server refused: it rolled back, nothing of it stays
         fail(f"migration failed, nothing of it was applied: {db.redact(str(e).strip(), target)}", 3)
-    if applied:
-        for m in applied:
-            typer.echo(f"applied {m.version:04d}_{m.name}")
-    else:
-        typer.echo("up to date")
-    with contextlib.suppress(psycopg.Error), db.connect(target, application_name="qconsole-migrate") as conn:
-        _warn_if_newer(conn)
 
 
 def _say_lock_wait(mig: Migration, holders: list[LockHolder], retry_in: float) -> None:

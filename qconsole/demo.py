@@ -203,18 +203,13 @@ def demo_dsn(explicit: str | None) -> str:
     return start_embedded()
 
 
-def run_demo(refresh: float = 1.0, workers: int = 2, dsn: str | None = None) -> int:
-    """The embedded PostgreSQL (or ``dsn``), migrations, ``workers`` embedded workers on the demo tasks, a
-    workload, and the console. Quitting stops everything it started."""
+def run_demo(dsn: str, refresh: float = 1.0, workers: int = 2) -> int:
+    """On ``dsn``, the demo's database (:func:`demo_dsn`) migrated (the CLI's demo command migrates it, and says
+    what went wrong as `qconsole migrate` does): ``workers`` embedded workers on the demo tasks, a workload, and
+    the console. Quitting stops everything it started."""
     from qconsole.app import run_console
     from qconsole.embedded_workers import EmbeddedWorkers
-    from worker_core.migrate import migrate
 
-    print("qconsole demo: starting PostgreSQL and migrating…", flush=True)
-    dsn = demo_dsn(dsn)
-    with db.connect(dsn, application_name="qconsole-demo") as conn:
-        migrate(conn)
-        conn.commit()
     launcher = EmbeddedWorkers(dsn)
     feeder = Feeder(dsn)
     try:

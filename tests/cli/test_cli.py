@@ -812,3 +812,39 @@ def test_a_worker_without_housekeeping_prunes_nothing_and_the_console_starts_suc
     from qconsole.embedded_workers import EmbeddedWorker
 
     assert "--no-housekeeping" in console_launcher("postgresql://unused").argv(EmbeddedWorker(1, ("m",), (), 1))
+
+
+def test_the_demo_says_why_it_cannot_start_as_other_commands_do(
+    cli: Any, dsn: str, dml_role: str, migrations_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `qconsole demo` (and `make demo`) printed a traceback, exit 1, where every other command says what to do
+    import pwd
+
+    def no_entry(uid: int) -> Any:
+        raise KeyError(uid)
+
+    runner = CliRunner()
+    # a role that cannot apply a migration pending: what `qconsole migrate` says, and its exit code
+    (migrations_folder / "9001_extra.sql").write_text("CREATE TABLE extra_thing (id int);\n")
+    result = runner.invoke(app, ["demo", "--dsn", dml_role])
+    assert result.exit_code == 1, result.output
+    assert "this role cannot migrate 9001_extra: run it as the schema's owner" in result.output, result.output
+    # the embedded server of another user's data directory
+    theirs = tmp_path / "pg"
+    theirs.mkdir()
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)
+    for name in ("QCONSOLE_DSN", "DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("QCONSOLE_PGDATA", str(theirs))
+    monkeypatch.setattr(os, "geteuid", lambda: 12345)  # not root (who is never told) nor the owner
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 3, result.output
+    assert f"{theirs} belongs to " in result.output and "QCONSOLE_PGDATA" in result.output, result.output
+    # no home directory to put it in (no HOME, a uid without a passwd entry: a container)
+    for name in ("QCONSOLE_PGDATA", "HOME", "XDG_DATA_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 3, result.output
+    assert "home directory" in result.output and "QCONSOLE_DSN" in result.output, result.output
