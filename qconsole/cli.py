@@ -97,7 +97,7 @@ def connect(
                 # the embedded server is ours: bring its schema up to date (a first `qconsole stats` too)
                 try:
                     with db.connect(target, application_name="qconsole-migrate") as mconn:
-                        run_migrations(mconn)
+                        run_migrations(mconn, on_wait=_say_lock_wait)
                 except MigrationFailed as e:
                     _migration_failed(e, target)
             else:
@@ -318,6 +318,13 @@ def _migrate_or_exit(target: str, wait: float = 600.0, lock_wait: str = "10m") -
 
 def _say_lock_wait(mig: Migration, holders: list[LockHolder], retry_in: float) -> None:
     held = "".join(f"\n  {h}" for h in holders) or " sessions gone since"
+    if any(h.migration_lock for h in holders):
+        typer.echo(
+            f"{mig.label} waits for the migration lock, held by another session (migrating, or one that kept it: a"
+            f" `qconsole migrate` suspended with Ctrl-Z?):{held}\nstill waiting, said again in {retry_in:.0f} s",
+            err=True,
+        )
+        return
     typer.echo(f"{mig.label} waits for locks on its tables, held by:{held}\ntrying again in {retry_in:.0f} s", err=True)
 
 
@@ -329,8 +336,15 @@ def _migration_failed(e: MigrationFailed, target: str, lock_wait: str = "10m") -
     before = ", ".join(m.label for m in e.applied) or "none"
     if isinstance(e.error, REFUSED):
         fail(f"this role cannot migrate {e.migration.label}: run it as the schema's owner ({error})", 1)
-    if isinstance(e.error, psycopg.errors.LockNotAvailable):
-        held = "".join(f"\n  {h}" for h in e.holders) or " sessions gone since"
+    held = "".join(f"\n  {h}" for h in e.holders) or " sessions gone since"
+    if e.migration_lock:
+        why = (
+            f"migration {e.migration.label} did not get the migration lock within --lock-wait {lock_wait}, nothing"
+            f" of it was applied. It was held by:{held}\n"
+            "end that session (a `qconsole migrate` suspended with Ctrl-Z?), or run `qconsole migrate` again when"
+            " it is done"
+        )
+    elif isinstance(e.error, psycopg.errors.LockNotAvailable):
         why = (
             f"migration {e.migration.label} did not get its locks within --lock-wait {lock_wait}, nothing of it"
             f" was applied (each try held the queue up 2 s at most). They were held by:{held}\n"

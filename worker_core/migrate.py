@@ -68,6 +68,9 @@ class MigrationFailed(Exception):
         self.error = error
         #: when it never got its locks (error: LockNotAvailable), the sessions that held them last
         self.holders: list[LockHolder] = []
+        #: the lock it never got was the migration lock (another session migrating, or one that kept it), not
+        #: a lock on a table
+        self.migration_lock = False
 
 
 def migrations_dir() -> Traversable:
@@ -106,6 +109,9 @@ class LockHolder:
     state: str | None
     transaction_seconds: float | None  #: how long its transaction has been open
     query: str | None  #: the start of its last statement
+    #: it holds the migration lock (it migrates, or kept the lock: a `qconsole migrate` suspended with Ctrl-Z),
+    #: not a lock on a table
+    migration_lock: bool = False
 
     def __str__(self) -> str:
         since = f", its transaction open {self.transaction_seconds:.0f} s" if self.transaction_seconds else ""
@@ -118,7 +124,11 @@ log = logging.getLogger(__name__)
 
 def _log_wait(mig: Migration, holders: list[LockHolder], retry_in: float) -> None:
     held = "; ".join(map(str, holders)) or "sessions gone since"
-    log.warning("migration %s waits for locks held by %s; trying again in %.0f s", mig.label, held, retry_in)
+    if any(h.migration_lock for h in holders):
+        log.warning("migration %s waits for the migration lock, held by %s; said again in %.0f s", mig.label, held,
+                    retry_in)  # fmt: skip
+    else:
+        log.warning("migration %s waits for locks held by %s; trying again in %.0f s", mig.label, held, retry_in)
 
 
 class _Waiter:
@@ -155,6 +165,23 @@ class _Waiter:
         self.on_wait(failed.migration, failed.holders, retry_in)
         time.sleep(retry_in)
 
+    def wait_for_migration_lock(self, conn: Conn, mig: Migration) -> float:
+        """Say who holds the migration lock, and return how long to wait for it before saying so again; or
+        raise MigrationFailed (LockNotAvailable, ``migration_lock``) when the deadline has come."""
+        holders = migration_lock_holders(conn)
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            error = psycopg.errors.LockNotAvailable("another session holds the migration lock")
+            failed = MigrationFailed(mig, [], error)
+            failed.__cause__ = error
+            failed.holders = holders
+            failed.migration_lock = True
+            raise failed
+        wait = min(2.0**self.tries, 15.0, left)
+        self.tries += 1
+        self.on_wait(mig, holders, wait)
+        return wait
+
     def done(self) -> None:
         self.tries = 0  # the next migration starts its own backoff
 
@@ -179,8 +206,9 @@ def migrate(
     read job_queue, it had every claim, settlement and enqueue queue behind it for as long. It gives up,
     tells ``on_wait`` (the migration, who holds the locks, the seconds before the next try; by default a
     warning logged), waits, and tries again until ``lock_wait`` seconds have passed. No statement timeout
-    holds (a role's, or the DSN's, cancelled a long index build halfway). A migration that fails, or
-    never got its locks, raises MigrationFailed."""
+    holds (a role's, or the DSN's, cancelled a long index build halfway). The migration lock is waited for
+    under the same ``lock_wait``, who holds it told to ``on_wait`` (holders whose ``migration_lock`` is set).
+    A migration that fails, or never got its locks (or the migration lock), raises MigrationFailed."""
     pending = load_migrations(folder)
     waiter = _Waiter(lock_wait, lock_timeout, on_wait)
     if conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
@@ -189,7 +217,7 @@ def migrate(
                 "SELECT current_setting('statement_timeout') AS s, current_setting('lock_timeout') AS l"
             ).fetchone()
             conn.execute("SELECT set_config('statement_timeout', '0', true), set_config('lock_timeout', '0', true)")
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+            _take_migration_lock(conn, pending, waiter, xact=True)  # nothing missing any more: _apply does nothing
             try:
                 in_callers = _apply(conn, pending, everything=True, waiter=waiter)
             except MigrationFailed as e:
@@ -204,11 +232,8 @@ def migrate(
     with conn.transaction():
         if not _missing(conn, pending):
             return []  # nothing written: a role that may not create, or a replica, is told it is up to date
-    with conn.transaction():
-        # waiting for another process's migrations holds nobody up
-        conn.execute("SET LOCAL statement_timeout = 0")
-        conn.execute("SET LOCAL lock_timeout = 0")
-        conn.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))  # a session lock: it outlives this commit
+    if not _take_migration_lock(conn, pending, waiter, xact=False):
+        return []  # the session that held the lock applied them all
     applied: list[Migration] = []
     try:
         while True:
@@ -232,6 +257,60 @@ def migrate(
         if not conn.broken and not conn.closed:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))
+
+
+def _take_migration_lock(conn: Conn, pending: list[Migration], waiter: _Waiter, *, xact: bool) -> bool:
+    """The migration lock: a session lock (it outlives the commits of the migrations), or with ``xact`` one of
+    the caller's transaction. Waiting for it holds nobody up, but it is waited for under the waiter's deadline
+    (--lock-wait), who holds it said through on_wait: a migrate behind another was silent for as long as that
+    one waited, and behind a session that kept the lock (a migrate suspended with Ctrl-Z) it hung for ever,
+    silently. Tried at once, then waited for in the lock's queue (taken as soon as it is released) for a
+    while that doubles up to 15 s, each wait said. False, nothing taken, when nothing is missing any more
+    (the holder applied it all)."""
+    kind = "xact_lock" if xact else "lock"
+    wait = 0.0
+    while True:
+        try:
+            with conn.transaction():  # a savepoint inside the caller's transaction: a lock timeout undoes it only
+                timeout = f"{max(1, int(wait * 1000))}ms"
+                conn.execute(
+                    "SELECT set_config('statement_timeout', '0', true), set_config('lock_timeout', %s, true)",
+                    (timeout,),
+                )
+                if wait:
+                    conn.execute(f"SELECT pg_advisory_{kind}(%s)", (LOCK_KEY,))  # kind: a constant
+                    taken = True
+                else:
+                    row = conn.execute(f"SELECT pg_try_advisory_{kind}(%s) AS taken", (LOCK_KEY,)).fetchone()
+                    taken = bool(row and row["taken"])
+        except psycopg.errors.LockNotAvailable:
+            taken = False
+        if taken:
+            waiter.done()
+            return True
+        with conn.transaction():
+            missing = _missing(conn, pending)
+        if not missing:
+            return False
+        wait = waiter.wait_for_migration_lock(conn, missing[0])
+
+
+def migration_lock_holders(conn: Conn) -> list[LockHolder]:
+    """The session holding the migration lock in this database (another process's ``migrate``)."""
+    with conn.transaction():
+        rows = conn.execute(
+            """SELECT a.pid, a.state, extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS seconds,
+                      left(regexp_replace(a.query, '[[:space:]]+', ' ', 'g'), 80) AS query
+               FROM pg_stat_activity a
+               WHERE a.pid <> pg_backend_pid() AND a.pid IN (
+                   SELECT l.pid FROM pg_locks l
+                   WHERE l.locktype = 'advisory' AND l.granted AND l.classid::int8 = %s AND l.objid::int8 = %s
+                     AND l.objsubid = 1
+                     AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+               ORDER BY a.pid""",
+            (LOCK_KEY >> 32, LOCK_KEY & 0xFFFFFFFF),
+        ).fetchall()
+    return [LockHolder(r["pid"], r["state"], r["seconds"], r["query"], migration_lock=True) for r in rows]
 
 
 def _apply(

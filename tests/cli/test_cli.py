@@ -848,3 +848,27 @@ def test_the_demo_says_why_it_cannot_start_as_other_commands_do(
     result = runner.invoke(app, ["demo"])
     assert result.exit_code == 3, result.output
     assert "home directory" in result.output and "QCONSOLE_DSN" in result.output, result.output
+
+
+def test_migrate_gives_up_after_lock_wait_when_another_session_holds_the_migration_lock(
+    cli: Any, dsn: str, migrations_folder: Path
+) -> None:
+    # a session holding the advisory lock (a migrate suspended with Ctrl-Z) made migrate hang for ever, silently
+    import threading
+
+    from worker_core.migrate import LOCK_KEY
+
+    (migrations_folder / "9001_extra.sql").write_text("CREATE TABLE extra_thing (id int);\n")
+    with db.connect(dsn, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))
+        guard = threading.Timer(60, holder.close)  # before: it waited for ever; then it would have applied 9001
+        guard.start()
+        try:
+            out = cli("migrate", "--lock-wait", "1s", code=3).output
+        finally:
+            guard.cancel()
+        pid = holder.info.backend_pid
+    assert "9001_extra waits for the migration lock, held by another session" in out, out
+    assert f"\n  pid {pid} (idle" in out, out
+    assert "did not get the migration lock within --lock-wait 1s, nothing of it was applied" in out, out
+    assert "applied 9001_extra" in cli("migrate").output

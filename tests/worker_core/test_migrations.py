@@ -340,3 +340,53 @@ def test_migrations_ship_in_the_wheel_and_migrate_from_it(tmp_path: Path, empty_
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == ",".join(p.stem for p in sorted(REPO_MIGRATIONS.glob("*.sql")))
+
+
+def test_a_migration_waits_for_the_migration_lock_under_lock_wait_and_says_who_holds_it(
+    dsn: str, tmp_path: Path
+) -> None:
+    # pg_advisory_lock with no lock timeout: a migrate behind another was silent for as long as that one waited,
+    # and behind a session that kept the lock (a `qconsole migrate` suspended with Ctrl-Z) it hung for ever
+    from worker_core.migrate import LOCK_KEY
+
+    folder = tmp_path / "migrations"
+    shutil.copytree(REPO_MIGRATIONS, folder)
+    (folder / "9001_column.sql").write_text("ALTER TABLE job_queue ADD COLUMN extra int;\n")
+    waits: list[tuple[str, list[int], bool]] = []
+
+    def on_wait(mig: Any, holders: list[Any], wait: float) -> None:
+        waits.append((mig.label, [h.pid for h in holders], all(h.migration_lock for h in holders)))
+
+    with db.connect(dsn, autocommit=True) as holder, db.connect(dsn) as conn:
+        holder.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))
+        guard = threading.Timer(60, holder.close)  # before: it waited for ever; then it would have applied 9001
+        guard.start()
+        try:
+            with pytest.raises(MigrationFailed) as failed:
+                migrate(conn, folder, lock_wait=0.5, on_wait=on_wait)
+        finally:
+            guard.cancel()
+        pid = holder.info.backend_pid
+        assert failed.value.migration_lock and isinstance(failed.value.error, psycopg.errors.LockNotAvailable)
+        assert [h.pid for h in failed.value.holders] == [pid] and failed.value.migration.label == "9001_column"
+        assert waits and waits[0] == ("9001_column", [pid], True), waits
+        assert conn.execute("SELECT max(version) AS v FROM worker_core_migrations").fetchone() != {"v": 9001}
+        conn.rollback()
+        # released while it waits: it takes the lock then, and applies what is missing
+        waited = threading.Event()
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append(migrate(conn, folder, on_wait=lambda *_: waited.set()))
+            except BaseException as e:
+                outcome.append(e)
+
+        migrating = threading.Thread(target=run)
+        migrating.start()
+        try:
+            assert waited.wait(30), outcome
+        finally:
+            holder.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))
+            migrating.join(60)
+        assert [m.version for m in outcome[0]] == [9001], outcome
