@@ -311,7 +311,7 @@ def _migrate_or_exit(target: str, wait: float = 600.0, lock_wait: str = "10m") -
     except RuntimeError as e:  # an applied migration that changed: forward-only
         fail(str(e), 3)
     except REFUSED as e:  # creating worker_core_migrations, before the first migration
-        fail(f"this role cannot migrate: run it as the schema's owner ({db.redact(str(e).strip(), target)})", 1)
+        _cannot_migrate("", e, db.redact(str(e).strip(), target))
     except psycopg.Error as e:  # a migration the server refused: it rolled back, nothing of it stays
         fail(f"migration failed, nothing of it was applied: {db.redact(str(e).strip(), target)}", 3)
 
@@ -328,6 +328,17 @@ def _say_lock_wait(mig: Migration, holders: list[LockHolder], retry_in: float) -
     typer.echo(f"{mig.label} waits for locks on its tables, held by:{held}\ntrying again in {retry_in:.0f} s", err=True)
 
 
+def _cannot_migrate(label: str, error: psycopg.Error, said: str) -> NoReturn:
+    """Refused by the server, exit 1: a read-only one (a replica), or a role that may not change the schema."""
+    if isinstance(error, psycopg.errors.ReadOnlySqlTransaction):
+        fail(
+            f"cannot migrate{label} here: the server (or this session) is read-only, a replica perhaps; run"
+            f" `qconsole migrate` on the primary ({said})",
+            1,
+        )
+    fail(f"this role cannot migrate{label}: run it as the schema's owner ({said})", 1)
+
+
 def _migration_failed(e: MigrationFailed, target: str, lock_wait: str = "10m") -> NoReturn:
     """Which migration failed and why, and those applied before it (committed: they stay)."""
     for m in e.applied:
@@ -335,7 +346,7 @@ def _migration_failed(e: MigrationFailed, target: str, lock_wait: str = "10m") -
     error = db.redact(str(e.error).strip(), target)
     before = ", ".join(m.label for m in e.applied) or "none"
     if isinstance(e.error, REFUSED):
-        fail(f"this role cannot migrate {e.migration.label}: run it as the schema's owner ({error})", 1)
+        _cannot_migrate(f" {e.migration.label}", e.error, error)
     held = "".join(f"\n  {h}" for h in e.holders) or " sessions gone since"
     if e.migration_lock:
         why = (

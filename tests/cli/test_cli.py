@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from typer.testing import CliRunner
 
@@ -659,11 +660,32 @@ def test_migrate_by_a_role_that_cannot_is_refused_with_what_to_do(
     from psycopg.conninfo import make_conninfo
 
     (migrations_folder / "9001_extra.sql").write_text("CREATE TABLE extra_thing (id int);\n")
+    out = cli("migrate", "--dsn", dml_role, code=1).output
+    assert "this role cannot migrate 9001_extra: run it as the schema's owner" in out, out
+    # a read-only server (a replica; here a read-only session) was told to run it as the schema's owner
     read_only = make_conninfo(dsn, options="-c default_transaction_read_only=on")
-    for target in (dml_role, read_only):
-        out = cli("migrate", "--dsn", target, code=1).output
-        assert "this role cannot migrate 9001_extra: run it as the schema's owner" in out, out
+    out = cli("migrate", "--dsn", read_only, code=1).output
+    assert "cannot migrate 9001_extra here: the server (or this session) is read-only, a replica perhaps" in out, out
+    assert "on the primary" in out and "schema's owner" not in out, out
     assert "applied 9001_extra" in cli("migrate").output
+
+
+def test_migrate_on_a_read_only_server_never_migrated_says_so(cli: Any, admin_dsn: str) -> None:
+    # creating worker_core_migrations, before the first migration: "this role cannot migrate: run it as the
+    # schema's owner", on a replica
+    from psycopg.conninfo import make_conninfo
+
+    name = f"qc_t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        read_only = make_conninfo(admin_dsn, dbname=name, options="-c default_transaction_read_only=on")
+        out = cli("migrate", "--dsn", read_only, code=1).output
+        assert "cannot migrate here: the server (or this session) is read-only, a replica perhaps" in out, out
+        assert "on the primary" in out and "schema's owner" not in out, out
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_migrate_gives_up_after_lock_wait_and_says_who_holds_the_locks(
