@@ -7,6 +7,8 @@ bounded by ``statement_timeout``, read-only transactions in ``--read-only`` mode
 threads. Reads share one connection, one call at a time (a lock), which reconnects by itself after it broke.
 An action (and the fetch of a group's jobs before it) runs on a connection opened for it, with a bound of
 its own: it may write a whole group of jobs, which a read's bound would cancel, and the reads go on meanwhile.
+Quitting aborts the actions (:meth:`DatabaseBackend.abort_actions`): the running one fails and is rolled back,
+and none starts after it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ ACTION_STATEMENT_TIMEOUT_MS = 600_000
 CONNECT_TIMEOUT_S = 3
 #: the least a call may take before the console gives up on the server (DatabaseBackend.call_deadline_s)
 CALL_DEADLINE_MIN_S = 10.0
+#: how often the server checks that an action's client is still there while it waits (PostgreSQL 14+): an action
+#: aborted at quit while it waits for a row lock ends then, with the locks it took, not once that lock is free
+CLIENT_CHECK_INTERVAL_MS = 1000
 #: the states the dead-letters screen groups: what an operator requeues (dead, failed) or kills (retrying)
 DEAD_LETTER_STATES = ("dead_lettered", "failed", "retry_scheduled")
 
@@ -110,7 +115,15 @@ class ConsoleBackend(Protocol):
 
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult: ...
 
+    def abort_actions(self) -> None:
+        """The console is quitting: the action running fails (rolled back), and none starts after it."""
+        ...
+
     def close(self) -> None: ...
+
+
+class ActionsAborted(RuntimeError):
+    """An action asked for while (or after) the console quit: not run."""
 
 
 def is_outage(exc: BaseException) -> bool:
@@ -159,6 +172,8 @@ class DatabaseBackend:
         self._action_lock = threading.Lock()
         self._action_conn: db.Conn | None = None
         self._action_guard = threading.Lock()  # close() shuts down no connection _act has closed
+        #: the console quits (abort_actions, close): no action starts any more
+        self._actions_aborted = False
 
     @property
     def description(self) -> str:
@@ -203,6 +218,7 @@ class DatabaseBackend:
         """Run an action on a connection opened for it, under the action bound: a long one (a whole group
         requeued) neither fails at the read bound nor holds the screens' reads up."""
         with self._action_lock:
+            self._refuse_if_aborted()  # one queued behind an action running when the console quit
             conn = db.connect(
                 self.dsn,
                 application_name=APPLICATION_NAME,
@@ -214,12 +230,22 @@ class DatabaseBackend:
                 tolerant_json=True,
             )
             with self._action_guard:
-                self._action_conn = conn
+                aborted = self._actions_aborted
+                if not aborted:
+                    self._action_conn = conn
+            if aborted:  # the console quit while this one connected
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+                self._refuse_if_aborted()
             deadline = db.Deadline(conn, self.action_deadline_s)
             try:
                 with deadline:
+                    if conn.info.server_version >= 140000:
+                        conn.execute(f"SET client_connection_check_interval = {CLIENT_CHECK_INTERVAL_MS}")
                     return fn(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if self._actions_aborted:
+                    raise ActionsAborted("the console quit: the action was rolled back") from e
                 if deadline.expired:
                     raise psycopg.OperationalError(
                         f"the server did not answer within {self.action_deadline_s:g}s: connection dropped"
@@ -230,6 +256,19 @@ class DatabaseBackend:
                     self._action_conn = None
                 with contextlib.suppress(psycopg.Error):
                     conn.close()
+
+    def _refuse_if_aborted(self) -> None:
+        if self._actions_aborted:
+            raise ActionsAborted("the console quit: the action was not run")
+
+    def abort_actions(self) -> None:
+        """The console quits: no action starts any more, and the one running (waiting for a lock, say) has
+        its connection's socket shut down, which fails it at once; it never commits, and the server rolls it
+        back (at once where it checks its clients, PostgreSQL 14+; else once it next reads from it)."""
+        with self._action_guard:
+            self._actions_aborted = True
+            if self._action_conn is not None:
+                db.shut_down(self._action_conn)
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
@@ -246,7 +285,9 @@ class DatabaseBackend:
     def close(self, wait: float = 0.5) -> None:
         """Close the connection. A call still waiting for the server (a slow or vanished one) after
         ``wait`` seconds is woken by shutting its socket down, which fails it at once; closing the
-        connection from this thread instead would free what libpq, in that call, still uses."""
+        connection from this thread instead would free what libpq, in that call, still uses. An action
+        still running fails at once, and is rolled back (abort_actions)."""
+        self.abort_actions()
         if not self._lock.acquire(timeout=wait):
             conn = self._conn
             if conn is not None:
@@ -257,9 +298,6 @@ class DatabaseBackend:
             self._drop()
         finally:
             self._lock.release()
-        with self._action_guard:
-            if self._action_conn is not None:
-                db.shut_down(self._action_conn)  # an action still running: it fails, and is rolled back
 
     # ---------------------------------------------------------------- reading
 

@@ -292,6 +292,9 @@ class FakeBackend:
         self.calls.append(("set_paused", (queue, paused)))
         return ActionResult("pause" if paused else "resume", 1, [], [], audit_id=5)
 
+    def abort_actions(self) -> None:
+        self.calls.append(("abort_actions", None))
+
     def close(self) -> None:
         pass
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -33,3 +34,23 @@ async def until(pilot: Pilot[Any], condition: Callable[[], bool], timeout: float
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or condition}")
         await pilot.pause(0.1)
+
+
+def run_as_the_console(coro: Coroutine[Any, Any, None], within: float = 30.0) -> bool:
+    """Run ``coro`` as ``qconsole`` runs its app (``asyncio.run``, which joins the default executor's threads,
+    Textual's thread workers among them, before it returns), in a thread of its own. Whether it returned
+    within ``within`` seconds: a console that quit but went on waiting for a worker did not."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(coro)
+        except BaseException as e:  # handed to the test
+            failure.append(e)
+
+    t = threading.Thread(target=run, name="console-under-test", daemon=True)
+    t.start()
+    t.join(within)
+    if failure:
+        raise failure[0]
+    return not t.is_alive()

@@ -36,7 +36,7 @@ from qconsole.screens.overview import OverviewScreen
 from qconsole.screens.start_worker import StartWorkerScreen
 from qconsole.screens.workers import WorkersScreen
 from qconsole.widgets.chrome import OutageBanner, TitleBar
-from tests.qconsole.pilot import run_async, settle, until
+from tests.qconsole.pilot import run_as_the_console, run_async, settle, until
 from worker_core import RetryPolicy, db, ops, stats
 from worker_core.errors import ReadOnlyError
 from worker_core.models import JobState
@@ -153,6 +153,68 @@ def test_a_group_action_that_takes_long_is_said_to_run_and_the_screens_read_on_m
     finally:
         locker.close()
     assert states(conn, [r["id"] for r in conn.execute("SELECT id FROM job_queue")]) == [JobState.QUEUED] * 3
+
+
+def console_sessions(conn: db.Conn) -> int:
+    """The console's sessions the server still has (an action's ends only once the server notices its client
+    went away)."""
+    row = conn.execute(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE application_name = 'qconsole-console'"
+        " AND datname = current_database()"
+    ).fetchone()
+    return int(row["n"]) if row else 0
+
+
+def test_quitting_while_an_action_waits_exits_rolls_it_back_and_runs_none_queued_behind_it(
+    dsn: str, conn: db.Conn
+) -> None:
+    # the console quit (a blank screen) but stayed alive for as long as the action waited, then the requeue
+    # committed and the pause queued behind it ran, after the operator had quit
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error, error_fingerprint)"
+        " SELECT 't.ok', 'default', '{}', 'dead_lettered', now(), 'boom', 'boom' FROM generate_series(1, 200)"
+    )
+    app = console(dsn)
+    locker = db.connect(dsn)  # holds the group's rows: the requeue waits for them as long as the test says
+    quit_pressed: list[bool] = []
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 24)) as pilot:
+            await settle(pilot)
+            await pilot.press("d", "r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the requeue's question")
+            locker.execute("SELECT id FROM job_queue FOR UPDATE").fetchall()
+            await pilot.press("y")
+            await until(pilot, lambda: app.acting == ("requeue",), what="the requeue running")
+            await pilot.press("o")
+            await until(pilot, lambda: isinstance(app.screen, OverviewScreen), what="the overview")
+            overview = app.screen
+            assert isinstance(overview, OverviewScreen)
+            await until(pilot, lambda: overview.selected() is not None, what="the overview's rows")
+            await pilot.press("p")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the pause's question")
+            await pilot.press("y")
+            await until(pilot, lambda: app.acting == ("requeue", "pause"), what="the pause asked for")
+            quit_pressed.append(True)
+            await pilot.press("q")
+
+    try:
+        exited = run_as_the_console(scenario())
+        assert quit_pressed, "the scenario did not get to q"
+        assert exited, "the console did not exit while the action waited"
+        assert app.return_code == 0
+        app.backend.close()  # as run_console does once the app returned
+        locker.rollback()
+        # the requeue's session ends once the server notices its client is gone
+        deadline = time.monotonic() + 30
+        while console_sessions(conn):
+            assert time.monotonic() < deadline, "the console's sessions did not end"
+            time.sleep(0.1)
+    finally:
+        locker.close()
+    assert states(conn, [r["id"] for r in conn.execute("SELECT id FROM job_queue")]) == [JobState.DEAD_LETTERED] * 200
+    assert not any(q.paused for q in stats.overview(conn).queues)
+    assert stats.audit_log(conn) == []
 
 
 def test_a_group_action_acts_on_the_jobs_it_asked_about_not_on_those_that_joined_since(
