@@ -21,7 +21,7 @@ from textual.reactive import reactive
 from qconsole.backend import ConsoleBackend, DatabaseBackend
 from qconsole.commands import ConsoleCommands
 from qconsole.embedded_workers import EmbeddedWorker, EmbeddedWorkers, WorkerLauncher
-from qconsole.messages import ActionEnded, EmbeddedWorkerExited
+from qconsole.messages import ActionDone, ActionEnded, ActionFailed, EmbeddedWorkerExited
 from qconsole.screens.audit import AuditScreen
 from qconsole.screens.base import ConsoleScreen
 from qconsole.screens.charts import ChartsScreen
@@ -167,6 +167,22 @@ class QConsoleApp(App[int]):
         if message.action in left:
             left.remove(message.action)
         self.acting = tuple(left)
+        if message.outcome is None:
+            return
+        self.say_outcome(message.outcome)
+        screen = message.origin
+        if isinstance(screen, ConsoleScreen) and screen.is_attached:  # not closed meanwhile
+            screen.acted(message.outcome)
+
+    def say_outcome(self, outcome: ActionDone | ActionFailed) -> None:
+        """An action's outcome, on whatever screen is shown now."""
+        if isinstance(outcome, ActionDone):
+            audit = f" (audit #{outcome.result.audit_id})" if outcome.result.audit_id is not None else ""
+            self.notify(outcome.summary + audit, title=outcome.result.action, markup=False)
+        else:
+            self.notify(
+                f"{outcome.action} failed, nothing changed: {outcome.error}", severity="error", timeout=10, markup=False
+            )
 
     def refuse_read_only(self, what: str) -> None:
         self.notify(

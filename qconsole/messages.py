@@ -52,9 +52,14 @@ class ActionFailed(Message):
 
 @dataclass
 class ActionEnded(Message):
-    """An operator action's thread is done, however it ended (posted to the app, which said it is running)."""
+    """An operator action's thread is done, however it ended: posted to the app (which said it is running, and
+    says its outcome), not to the screen it was asked on, which may be gone by then (a job's detail closed)."""
 
     action: str
+    #: what came of it (None: its thread failed past the action itself)
+    outcome: ActionDone | ActionFailed | None = None
+    #: the screen it was asked on: told too (after_action, a read), if it is still there
+    origin: Any = None
 
 
 @dataclass

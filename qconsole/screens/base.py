@@ -176,9 +176,10 @@ class ConsoleScreen(Screen[None]):
             if yes:
                 # a group's action may take a while: the title bar says it runs until it is done, and the
                 # console goes on meanwhile (the action runs in a thread, on a connection of its own)
-                self.qapp.note_acting(name)
+                app = self.qapp  # here, on the UI thread: the thread reaches the app through it, not the screen
+                app.note_acting(name)
                 self.notify(f"{name.capitalize()} under way…", markup=False)
-                self._act(name, fn, summary)
+                self._act(app, name, fn, summary)
             else:
                 self.notify(f"{name.capitalize()} cancelled: nothing changed.", markup=False)
 
@@ -186,34 +187,36 @@ class ConsoleScreen(Screen[None]):
 
     @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="console action")
     def _act(
-        self, name: str, fn: Callable[[ConsoleBackend], ActionResult], summary: Callable[[ActionResult], str]
+        self,
+        app: QConsoleApp,
+        name: str,
+        fn: Callable[[ConsoleBackend], ActionResult],
+        summary: Callable[[ActionResult], str],
     ) -> None:
+        # the outcome goes to the app, whatever became of this screen meanwhile (closed, its app unreachable
+        # through it): the title bar's mark always clears, and the outcome is always said
+        outcome: ActionDone | ActionFailed | None = None
         try:
-            result = fn(self.qapp.backend)
-        except Exception as e:
-            self.post_message(ActionFailed(name, self.describe(e)))
-            return
+            try:
+                result = fn(app.backend)
+            except Exception as e:
+                outcome = ActionFailed(name, describe_error(e, getattr(app.backend, "dsn", None)))
+            else:
+                outcome = ActionDone(result, summary(result))
         finally:
-            self.app.post_message(ActionEnded(name))
-        self.post_message(ActionDone(result, summary(result)))
+            app.post_message(ActionEnded(name, outcome, self))
 
-    @on(ActionDone)
-    def _action_done(self, message: ActionDone) -> None:
-        message.stop()
-        audit = f" (audit #{message.result.audit_id})" if message.result.audit_id is not None else ""
-        self.notify(message.summary + audit, title=message.result.action, markup=False)
-        self.after_action(message.result)
+    def acted(self, outcome: ActionDone | ActionFailed) -> None:
+        """An action asked on this screen ended (the app said its outcome): clear marks, read again."""
+        if isinstance(outcome, ActionDone):
+            self.after_action(outcome.result)
         self.reload()
 
     @on(ActionFailed)
     def _action_failed(self, message: ActionFailed) -> None:
+        """What failed before the question (the jobs of a group could not be read)."""
         message.stop()
-        self.notify(
-            f"{message.action} failed, nothing changed: {message.error}",
-            severity="error",
-            timeout=10,
-            markup=False,
-        )
+        self.qapp.say_outcome(message)
         self.reload()
 
     def after_action(self, result: ActionResult) -> None:

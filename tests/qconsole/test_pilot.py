@@ -217,6 +217,78 @@ def test_quitting_while_an_action_waits_exits_rolls_it_back_and_runs_none_queued
     assert stats.audit_log(conn) == []
 
 
+def test_an_action_whose_screen_was_closed_meanwhile_still_says_its_outcome_and_clears_the_title(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
+    # K, y, esc on a job's detail: the title bar said `⟳ kill…` for good and the outcome was never said (the
+    # action's thread reached the app through its screen, gone by then)
+    j = make_job("t.ok", {})
+    app = console(dsn)
+    locker = db.connect(dsn)  # holds the job's row: the kill waits for it as long as the test says
+
+    def title() -> str:
+        return str(app.screen.query_one(TitleBar).render())
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 24)) as pilot:
+            await settle(pilot)
+            app.push_screen(JobDetailScreen(j))
+            await settle(pilot)
+            detail = app.screen
+            assert isinstance(detail, JobDetailScreen) and detail.job is not None
+            locker.execute("SELECT id FROM job_queue FOR UPDATE").fetchall()
+            await pilot.press("K")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the kill's question")
+            await pilot.press("y")
+            await until(pilot, lambda: app.acting == ("kill",), what="the kill running")
+            await pilot.press("escape")
+            await until(pilot, lambda: app.screen is not detail and not detail.is_attached, what="the detail closed")
+            locker.rollback()
+            await until(pilot, lambda: "Killed 1 job(s)" in notes(app), what="the kill's outcome")
+            await until(pilot, lambda: "⟳" not in title(), what="the title bar without it")
+            assert app.acting == ()
+
+    try:
+        run_async(scenario())
+    finally:
+        locker.close()
+    assert states(conn, [j]) == [JobState.CANCELLED]
+
+
+def test_an_action_that_failed_after_its_screen_was_closed_says_so(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    j = make_job("t.ok", {})
+    app = console(dsn)
+    locker = db.connect(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 24)) as pilot:
+            await settle(pilot)
+            app.push_screen(JobDetailScreen(j))
+            await settle(pilot)
+            detail = app.screen
+            assert isinstance(detail, JobDetailScreen) and detail.job is not None
+            locker.execute("SELECT id FROM job_queue FOR UPDATE").fetchall()
+            await pilot.press("K", "y")
+            await until(pilot, lambda: app.acting == ("kill",), what="the kill running")
+            await pilot.press("escape")
+            await until(pilot, lambda: not detail.is_attached, what="the detail closed")
+            # the kill's session is ended (an operator's pg_terminate_backend, a failover)
+            ended = conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'qconsole-console'"
+                " AND datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchall()
+            assert len(ended) == 1
+            await until(pilot, lambda: "kill failed, nothing changed" in notes(app), what="the kill's failure")
+            await until(pilot, lambda: app.acting == (), what="the title bar without it")
+            locker.rollback()
+
+    try:
+        run_async(scenario())
+    finally:
+        locker.close()
+    assert states(conn, [j]) == [JobState.QUEUED]
+
+
 def test_a_group_action_acts_on_the_jobs_it_asked_about_not_on_those_that_joined_since(
     dsn: str, conn: db.Conn, make_job: Any
 ) -> None:
