@@ -126,15 +126,15 @@ class QConsoleApp(App[int]):
 
     def on_unmount(self) -> None:
         # however the console ends: an action still running would hold its exit up (asyncio.run joins the
-        # thread it runs in) and then commit, and those queued behind it would run after the quit
+        # thread it runs in) and then commit, and one whose thread starts now would run after the quit
         self.backend.abort_actions()
         if self.launcher is not None:
             self.launcher.set_on_exit(None)
             self.launcher.stop_all()
 
     async def action_quit(self) -> None:
-        # the action running is rolled back, and none queued behind it runs (README: quitting meanwhile
-        # rolls it back); before anything else, so the console exits at once
+        # the actions running are rolled back, and none starts any more (README: quitting meanwhile rolls
+        # them back); before anything else, so the console exits at once
         self.backend.abort_actions()
         running = [w for w in self.launcher.workers() if w.running] if self.launcher is not None else []
         if not running:

@@ -6,8 +6,10 @@ actions) over connections of its own: named ``qconsole-console`` in ``pg_stat_ac
 bounded by ``statement_timeout``, read-only transactions in ``--read-only`` mode. It is used from worker
 threads. Reads share one connection, one call at a time (a lock), which reconnects by itself after it broke.
 An action (and the fetch of a group's jobs before it) runs on a connection opened for it, with a bound of
-its own: it may write a whole group of jobs, which a read's bound would cancel, and the reads go on meanwhile.
-Quitting aborts the actions (:meth:`DatabaseBackend.abort_actions`): the running one fails and is rolled back,
+its own: it may write a whole group of jobs, which a read's bound would cancel, and the reads go on meanwhile,
+and so do other actions (a pause is not held up by a long requeue; the database serialises those that touch
+the same rows).
+Quitting aborts the actions (:meth:`DatabaseBackend.abort_actions`): those running fail and are rolled back,
 and none starts after it.
 """
 
@@ -116,7 +118,7 @@ class ConsoleBackend(Protocol):
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult: ...
 
     def abort_actions(self) -> None:
-        """The console is quitting: the action running fails (rolled back), and none starts after it."""
+        """The console is quitting: the actions running fail (rolled back), and none starts after it."""
         ...
 
     def close(self) -> None: ...
@@ -168,10 +170,10 @@ class DatabaseBackend:
         self.actor = ops.Actor.current()
         self._conn: db.Conn | None = None
         self._lock = threading.Lock()
-        #: actions run one at a time, each on a connection of its own (the one running now: close() ends it)
-        self._action_lock = threading.Lock()
-        self._action_conn: db.Conn | None = None
-        self._action_guard = threading.Lock()  # close() shuts down no connection _act has closed
+        #: each action runs on a connection of its own, alongside the others (those running now: quitting
+        #: ends them)
+        self._action_conns: set[db.Conn] = set()
+        self._action_guard = threading.Lock()  # abort_actions shuts down no connection _act has closed
         #: the console quits (abort_actions, close): no action starts any more
         self._actions_aborted = False
 
@@ -215,60 +217,61 @@ class DatabaseBackend:
                 raise
 
     def _act(self, fn: Callable[[db.Conn], T]) -> T:
-        """Run an action on a connection opened for it, under the action bound: a long one (a whole group
-        requeued) neither fails at the read bound nor holds the screens' reads up."""
-        with self._action_lock:
-            self._refuse_if_aborted()  # one queued behind an action running when the console quit
-            conn = db.connect(
-                self.dsn,
-                application_name=APPLICATION_NAME,
-                autocommit=True,
-                statement_timeout_ms=self.action_timeout_ms,
-                read_only=self.read_only,
-                connect_timeout=self.connect_timeout,
-                jit=False,
-                tolerant_json=True,
-            )
+        """Run an action (or the read before one) on a connection opened for it, under the action bound: a
+        long one (a whole group requeued) neither fails at the read bound nor holds the screens' reads up, nor
+        another action: each has its own connection, and the database serialises those that touch the same
+        rows (a second requeue of a group waits for the first's row locks, then skips what it requeued)."""
+        self._refuse_if_aborted()
+        conn = db.connect(
+            self.dsn,
+            application_name=APPLICATION_NAME,
+            autocommit=True,
+            statement_timeout_ms=self.action_timeout_ms,
+            read_only=self.read_only,
+            connect_timeout=self.connect_timeout,
+            jit=False,
+            tolerant_json=True,
+        )
+        with self._action_guard:
+            aborted = self._actions_aborted
+            if not aborted:
+                self._action_conns.add(conn)
+        if aborted:  # the console quit while this one connected
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+            self._refuse_if_aborted()
+        deadline = db.Deadline(conn, self.action_deadline_s)
+        try:
+            with deadline:
+                if conn.info.server_version >= 140000:
+                    conn.execute(f"SET client_connection_check_interval = {CLIENT_CHECK_INTERVAL_MS}")
+                return fn(conn)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            if self._actions_aborted:
+                raise ActionsAborted("the console quit: the action was rolled back") from e
+            if deadline.expired:
+                raise psycopg.OperationalError(
+                    f"the server did not answer within {self.action_deadline_s:g}s: connection dropped"
+                ) from e
+            raise
+        finally:
             with self._action_guard:
-                aborted = self._actions_aborted
-                if not aborted:
-                    self._action_conn = conn
-            if aborted:  # the console quit while this one connected
-                with contextlib.suppress(psycopg.Error):
-                    conn.close()
-                self._refuse_if_aborted()
-            deadline = db.Deadline(conn, self.action_deadline_s)
-            try:
-                with deadline:
-                    if conn.info.server_version >= 140000:
-                        conn.execute(f"SET client_connection_check_interval = {CLIENT_CHECK_INTERVAL_MS}")
-                    return fn(conn)
-            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
-                if self._actions_aborted:
-                    raise ActionsAborted("the console quit: the action was rolled back") from e
-                if deadline.expired:
-                    raise psycopg.OperationalError(
-                        f"the server did not answer within {self.action_deadline_s:g}s: connection dropped"
-                    ) from e
-                raise
-            finally:
-                with self._action_guard:
-                    self._action_conn = None
-                with contextlib.suppress(psycopg.Error):
-                    conn.close()
+                self._action_conns.discard(conn)
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
 
     def _refuse_if_aborted(self) -> None:
         if self._actions_aborted:
             raise ActionsAborted("the console quit: the action was not run")
 
     def abort_actions(self) -> None:
-        """The console quits: no action starts any more, and the one running (waiting for a lock, say) has
+        """The console quits: no action starts any more, and each one running (waiting for a lock, say) has
         its connection's socket shut down, which fails it at once; it never commits, and the server rolls it
         back (at once where it checks its clients, PostgreSQL 14+; else once it next reads from it)."""
         with self._action_guard:
             self._actions_aborted = True
-            if self._action_conn is not None:
-                db.shut_down(self._action_conn)
+            for conn in self._action_conns:
+                db.shut_down(conn)
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
@@ -336,7 +339,8 @@ class DatabaseBackend:
         return self._call(lambda c: stats.dead_letter_groups(c, states=DEAD_LETTER_STATES))
 
     def group_job_ids(self, group: DeadLetterGroup) -> list[uuid.UUID]:
-        # the first step of a group's action: however many jobs, under the action bound
+        # the first step of a group's action: however many jobs, under the action bound, on a connection of
+        # its own (an action running, a long requeue, holds no question up)
         return self._act(lambda c: ops.group_job_ids(c, group.job_type, group.fingerprint, group.state))
 
     def workers(self) -> list[WorkerInfo]:

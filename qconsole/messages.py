@@ -63,6 +63,19 @@ class ActionEnded(Message):
 
 
 @dataclass
+class GroupJobsRead(Message):
+    """The jobs of the dead-letter groups an action was asked for were read (``error``: they could not be),
+    for the question that names them."""
+
+    action: str
+    groups: list[Any]
+    verb: str
+    details: str
+    ids: list[Any]
+    error: str | None = None
+
+
+@dataclass
 class EmbeddedWorkerExited(Message):
     """An embedded worker process ended: stopped by the console, or crashed."""
 

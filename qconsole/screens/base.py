@@ -212,12 +212,5 @@ class ConsoleScreen(Screen[None]):
             self.after_action(outcome.result)
         self.reload()
 
-    @on(ActionFailed)
-    def _action_failed(self, message: ActionFailed) -> None:
-        """What failed before the question (the jobs of a group could not be read)."""
-        message.stop()
-        self.qapp.say_outcome(message)
-        self.reload()
-
     def after_action(self, result: ActionResult) -> None:
         """Hook: clear marks and the like."""

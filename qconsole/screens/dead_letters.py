@@ -7,7 +7,7 @@ cause will not go away. Both act on the marked groups, or the group under the cu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual import on, work
@@ -15,12 +15,15 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
-from qconsole.backend import ConsoleBackend
-from qconsole.messages import ActionFailed
+from qconsole.backend import ConsoleBackend, describe_error
+from qconsole.messages import ActionFailed, GroupJobsRead
 from qconsole.screens.base import ACTION_GROUP, ConsoleScreen
 from qconsole.widgets import fmt
 from qconsole.widgets.table import LiveTable, cell
 from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, ActionResult, DeadLetterGroup, DeadLetterGroups
+
+if TYPE_CHECKING:
+    from qconsole.app import QConsoleApp
 
 MARK = "●"
 COLUMNS = [
@@ -193,8 +196,9 @@ class DeadLettersScreen(ConsoleScreen):
         return "\n".join(lines)
 
     def _run_on_groups(self, name: str, allowed: set[str], verb: str, why_not: str, outcome: str) -> None:
-        if self.fetching:
-            return  # the first press's question is on its way
+        if self.fetching:  # the first press's question is on its way
+            self.notify("Still reading the jobs of the group(s), for the question…", markup=False)
+            return
         if self.marks_gone and not self.marked:
             self.notify(
                 f"The group(s) you marked are gone: nothing to {name}. Mark again with space.",
@@ -218,20 +222,43 @@ class DeadLettersScreen(ConsoleScreen):
         # the jobs are fetched before the question, which names exactly them: a job that joins a group while
         # the operator reads it is not acted on unasked
         self.fetching = True
-        self._fetch_then_ask(name, ok, verb, details)
+        self._fetch_then_ask(self.qapp, name, ok, verb, details)
 
     @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="dead letters: the jobs of the groups")
-    def _fetch_then_ask(self, name: str, groups: list[DeadLetterGroup], verb: str, details: str) -> None:
+    def _fetch_then_ask(
+        self, app: QConsoleApp, name: str, groups: list[DeadLetterGroup], verb: str, details: str
+    ) -> None:
+        # on a connection of its own, whatever action runs meanwhile (DatabaseBackend.group_job_ids); a message,
+        # not a call waiting for the UI thread: this thread never waits for an app that is quitting
         try:
-            ids = list(dict.fromkeys(i for g in groups for i in self.qapp.backend.group_job_ids(g)))
+            ids = list(dict.fromkeys(i for g in groups for i in app.backend.group_job_ids(g)))
         except Exception as e:
-            self.fetching = False
-            self.post_message(ActionFailed(name, self.describe(e)))
+            error = describe_error(e, getattr(app.backend, "dsn", None))
+            self.post_message(GroupJobsRead(name, groups, verb, details, [], error))
             return
-        self.app.call_from_thread(self._ask, name, groups, verb, details, ids)
+        self.post_message(GroupJobsRead(name, groups, verb, details, ids))
 
-    def _ask(self, name: str, groups: list[DeadLetterGroup], verb: str, details: str, ids: list[Any]) -> None:
+    @on(GroupJobsRead)
+    def _ask(self, message: GroupJobsRead) -> None:
+        message.stop()
         self.fetching = False  # from here the question is on the screen: it takes the keys
+        name, groups, verb, details, ids = message.action, message.groups, message.verb, message.details, message.ids
+        if message.error is not None:
+            self.qapp.say_outcome(ActionFailed(name, message.error))
+            self.reload()
+            return
+        if self.app.screen is not self:
+            # the operator went elsewhere meanwhile: the question is asked on the screen it was asked for or
+            # not at all (over another screen, a `y` meant for that one would answer it)
+            key = "r" if name == "requeue" else "K"
+            self.notify(
+                f"{name.capitalize()} not asked: you left the dead letters while their jobs were read."
+                f" Nothing changed; {key} there asks again.",
+                severity="warning",
+                markup=False,
+            )
+            return
+
         def run(backend: ConsoleBackend) -> ActionResult:
             return backend.requeue(ids) if name == "requeue" else backend.kill(ids)
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import tests.worker_core.tasks  # noqa: F401  (registers the test types, so enqueue applies their defaults)
-from qconsole.backend import APPLICATION_NAME, DatabaseBackend
+from qconsole.backend import APPLICATION_NAME, ActionsAborted, DatabaseBackend
 from qconsole.embedded_workers import EmbeddedWorkers
 from tests.worker_core.helpers import scalar, wait_for
 from worker_core import db, stats
@@ -113,6 +113,21 @@ def test_read_only_backend_refuses_and_reads(dsn: str, make_job: Any) -> None:
         "default_transaction_read_only": "on"
     }
     backend.close()
+
+
+def test_no_action_starts_once_the_console_quit(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    # an action asked for while another ran when the console quit ran after the quit (its thread went on)
+    j = make_job("t.ok", {}, queue="mail")
+    backend = DatabaseBackend(dsn)
+    backend.abort_actions()
+    with pytest.raises(ActionsAborted):
+        backend.set_paused("mail", True)
+    with pytest.raises(ActionsAborted):
+        backend.kill([j])
+    backend.close()
+    assert not any(q.paused for q in stats.overview(conn).queues)
+    assert stats.get_job(conn, j).state == JobState.QUEUED
+    assert stats.audit_log(conn) == []
 
 
 def test_embedded_worker_that_cannot_start_is_reported(tmp_path: Any) -> None:

@@ -165,11 +165,18 @@ def console_sessions(conn: db.Conn) -> int:
     return int(row["n"]) if row else 0
 
 
-def test_quitting_while_an_action_waits_exits_rolls_it_back_and_runs_none_queued_behind_it(
-    dsn: str, conn: db.Conn
-) -> None:
+def waiting_for_locks(conn: db.Conn) -> int:
+    row = conn.execute(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE application_name = 'qconsole-console'"
+        " AND datname = current_database() AND wait_event_type = 'Lock'"
+    ).fetchone()
+    return int(row["n"]) if row else 0
+
+
+def test_quitting_while_actions_wait_exits_and_rolls_them_back(dsn: str, conn: db.Conn) -> None:
     # the console quit (a blank screen) but stayed alive for as long as the action waited, then the requeue
-    # committed and the pause queued behind it ran, after the operator had quit
+    # committed and the pause queued behind it ran, after the operator had quit (the pause now runs alongside
+    # the requeue: here it waits too, for the queues table)
     conn.execute(
         "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error, error_fingerprint)"
         " SELECT 't.ok', 'default', '{}', 'dead_lettered', now(), 'boom', 'boom' FROM generate_series(1, 200)"
@@ -193,8 +200,10 @@ def test_quitting_while_an_action_waits_exits_rolls_it_back_and_runs_none_queued
             await until(pilot, lambda: overview.selected() is not None, what="the overview's rows")
             await pilot.press("p")
             await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the pause's question")
+            locker.execute("LOCK TABLE queues IN SHARE MODE")  # the pause's write waits, the reads do not
             await pilot.press("y")
             await until(pilot, lambda: app.acting == ("requeue", "pause"), what="the pause asked for")
+            await until(pilot, lambda: waiting_for_locks(conn) == 2, what="both actions waiting")
             quit_pressed.append(True)
             await pilot.press("q")
 
@@ -287,6 +296,107 @@ def test_an_action_that_failed_after_its_screen_was_closed_says_so(dsn: str, con
     finally:
         locker.close()
     assert states(conn, [j]) == [JobState.QUEUED]
+
+
+def test_a_second_action_is_asked_and_runs_at_once_while_another_waits(dsn: str, conn: db.Conn) -> None:
+    # every action, and the read of a group's jobs before its question, waited behind the one running: r on
+    # another group showed nothing (its question came minutes later, over whatever screen was shown then),
+    # and a pause, containment, waited behind a long requeue
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error, error_fingerprint)"
+        " SELECT 't.ok', 'default', '{}', 'dead_lettered', now(), f, f"
+        " FROM (VALUES ('boom'), ('boom'), ('boom'), ('bang'), ('bang')) AS v(f)"
+    )
+    app = console(dsn)
+    locker = db.connect(dsn)  # holds the first group's rows: its requeue waits for them
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 24)) as pilot:
+            await settle(pilot)
+            await pilot.press("d")
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, DeadLettersScreen)
+            first = screen.current()
+            assert first is not None and first.fingerprint == "boom"
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the first requeue's question")
+            locker.execute("SELECT id FROM job_queue WHERE error_fingerprint = 'boom' FOR UPDATE").fetchall()
+            await pilot.press("y")
+            await until(pilot, lambda: app.acting == ("requeue",), what="the first requeue running")
+            await pilot.press("down")
+            second = screen.current()
+            assert second is not None and second.fingerprint == "bang"
+            await pilot.press("r")
+            await until(
+                pilot,
+                lambda: isinstance(app.screen, ConfirmScreen) and "Requeue 2 job(s)" in app.screen.question,
+                what="the second requeue's question, while the first waits",
+            )
+            await pilot.press("y")
+            await until(pilot, lambda: "Requeued 2 job(s)" in notes(app), what="the second requeue's outcome")
+            await pilot.press("o")
+            overview = app.screen
+            assert isinstance(overview, OverviewScreen)
+            await until(pilot, lambda: overview.selected() is not None, what="the overview's rows")
+            await pilot.press("p")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the pause's question")
+            await pilot.press("y")
+            await until(pilot, lambda: "Queue 'default' paused" in notes(app), what="the pause, the requeue waiting")
+            assert app.acting == ("requeue",) and "Requeued 3" not in notes(app)
+            locker.rollback()
+            await until(pilot, lambda: "Requeued 3 job(s)" in notes(app), what="the first requeue's outcome")
+            await until(pilot, lambda: app.acting == (), what="the title bar without it")
+
+    try:
+        run_async(scenario())
+    finally:
+        locker.close()
+    assert states(conn, [r["id"] for r in conn.execute("SELECT id FROM job_queue")]) == [JobState.QUEUED] * 5
+    assert any(q.paused for q in stats.overview(conn).queues if q.name == "default")
+    assert sorted(e.action for e in stats.audit_log(conn)) == ["pause", "requeue", "requeue"]
+
+
+def test_a_groups_question_is_never_asked_over_another_screen(dsn: str, conn: db.Conn) -> None:
+    # the jobs of the group were read slowly; meanwhile the operator went to the overview, and the question
+    # popped up there (where a `y` meant for something else would answer it)
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error, error_fingerprint)"
+        " SELECT 't.ok', 'default', '{}', 'dead_lettered', now(), 'boom', 'boom' FROM generate_series(1, 3)"
+    )
+    app = console(dsn)
+    locker = db.connect(dsn)  # holds the table: the read of the group's jobs waits for it
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 24)) as pilot:
+            await settle(pilot)
+            await pilot.press("d")
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, DeadLettersScreen)
+            locker.execute("LOCK TABLE job_queue IN ACCESS EXCLUSIVE MODE")
+            await pilot.press("r")
+            assert screen.fetching
+            await pilot.press("r")
+            assert "Still reading the jobs" in notes(app)
+            await pilot.press("o")
+            await until(pilot, lambda: isinstance(app.screen, OverviewScreen), what="the overview")
+            locker.rollback()
+            await until(pilot, lambda: "Requeue not asked" in notes(app), what="the question dropped")
+            await settle(pilot)
+            assert isinstance(app.screen, OverviewScreen)
+            assert not any(isinstance(s, ConfirmScreen) for s in app.screen_stack)
+            await pilot.press("d")
+            await until(pilot, lambda: app.screen is screen, what="the dead letters again")
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question, asked again")
+            await pilot.press("n")
+
+    try:
+        run_async(scenario())
+    finally:
+        locker.close()
+    assert states(conn, [r["id"] for r in conn.execute("SELECT id FROM job_queue")]) == [JobState.DEAD_LETTERED] * 3
 
 
 def test_a_group_action_acts_on_the_jobs_it_asked_about_not_on_those_that_joined_since(
