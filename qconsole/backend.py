@@ -187,17 +187,21 @@ class DatabaseBackend:
         if self._conn is None or self._conn.closed or self._conn.broken:
             if self._conn is not None:
                 self._conn.close()
-            self._conn = db.connect(
-                self.dsn,
-                application_name=APPLICATION_NAME,
-                autocommit=True,
-                statement_timeout_ms=self.statement_timeout_ms,
-                read_only=self.read_only,
-                connect_timeout=self.connect_timeout,
-                jit=False,
-                tolerant_json=True,
-            )
+            self._conn = self._open(self.statement_timeout_ms)
         return self._conn
+
+    def _open(self, statement_timeout_ms: int) -> db.Conn:
+        """A connection of the console's: named, autocommit, every statement bounded, read-only if asked."""
+        return db.connect(
+            self.dsn,
+            application_name=APPLICATION_NAME,
+            autocommit=True,
+            statement_timeout_ms=statement_timeout_ms,
+            read_only=self.read_only,
+            connect_timeout=self.connect_timeout,
+            jit=False,
+            tolerant_json=True,
+        )
 
     def _call(self, fn: Callable[[db.Conn], T]) -> T:
         with self._lock:
@@ -222,16 +226,7 @@ class DatabaseBackend:
         another action: each has its own connection, and the database serialises those that touch the same
         rows (a second requeue of a group waits for the first's row locks, then skips what it requeued)."""
         self._refuse_if_aborted()
-        conn = db.connect(
-            self.dsn,
-            application_name=APPLICATION_NAME,
-            autocommit=True,
-            statement_timeout_ms=self.action_timeout_ms,
-            read_only=self.read_only,
-            connect_timeout=self.connect_timeout,
-            jit=False,
-            tolerant_json=True,
-        )
+        conn = self._open(self.action_timeout_ms)
         with self._action_guard:
             aborted = self._actions_aborted
             if not aborted:

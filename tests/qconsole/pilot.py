@@ -6,9 +6,12 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
+from textual.app import App
 from textual.pilot import Pilot
+
+S = TypeVar("S")
 
 
 def run_async(coro: Coroutine[Any, Any, None]) -> None:
@@ -26,6 +29,22 @@ async def settle(pilot: Pilot[Any]) -> None:
     for _ in range(2):
         await pilot.app.workers.wait_for_complete()
         await pilot.pause()
+
+
+async def opened(pilot: Pilot[Any], key: str, kind: type[S]) -> S:
+    """Press ``key`` and return the screen it opened, once its reads are done, checked to be a ``kind``."""
+    await pilot.press(key)
+    await settle(pilot)
+    screen = pilot.app.screen
+    assert isinstance(screen, kind), f"{key!r} opened {type(screen).__name__}, not {kind.__name__}"
+    return screen
+
+
+def title_of(app: App[Any]) -> str:
+    """The title bar's text: the screen, the data's time, the marks of actions under way."""
+    from qconsole.widgets.chrome import TitleBar
+
+    return str(app.screen.query_one(TitleBar).render())
 
 
 async def until(pilot: Pilot[Any], condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:

@@ -35,8 +35,8 @@ from qconsole.screens.job_detail import JobDetailScreen
 from qconsole.screens.overview import OverviewScreen
 from qconsole.screens.start_worker import StartWorkerScreen
 from qconsole.screens.workers import WorkersScreen
-from qconsole.widgets.chrome import OutageBanner, TitleBar
-from tests.qconsole.pilot import run_as_the_console, run_async, settle, until
+from qconsole.widgets.chrome import OutageBanner
+from tests.qconsole.pilot import opened, run_as_the_console, run_async, settle, title_of, until
 from worker_core import RetryPolicy, db, ops, stats
 from worker_core.errors import ReadOnlyError
 from worker_core.models import JobState
@@ -91,10 +91,7 @@ def test_requeue_a_dead_letter_group_with_keys(dsn: str, conn: db.Conn, make_job
     async def scenario() -> None:
         async with app.run_test(size=SIZE) as pilot:
             await settle(pilot)
-            await pilot.press("d")
-            await settle(pilot)
-            screen = app.screen
-            assert isinstance(screen, DeadLettersScreen)
+            screen = await opened(pilot, "d", DeadLettersScreen)
             group = screen.current()
             assert group is not None and group.job_type == "t.unknown" and group.count == 3
             await pilot.press("r")
@@ -126,9 +123,6 @@ def test_a_group_action_that_takes_long_is_said_to_run_and_the_screens_read_on_m
     app = console(dsn)
     locker = db.connect(dsn)  # holds the group's rows: the requeue waits for them as long as the test says
 
-    def title() -> str:
-        return str(app.screen.query_one(TitleBar).render())
-
     async def scenario() -> None:
         async with app.run_test(size=(120, 24)) as pilot:
             await settle(pilot)
@@ -137,16 +131,16 @@ def test_a_group_action_that_takes_long_is_said_to_run_and_the_screens_read_on_m
             assert isinstance(app.screen, ConfirmScreen)
             locker.execute("SELECT id FROM job_queue FOR UPDATE").fetchall()
             await pilot.press("y")
-            await until(pilot, lambda: "⟳ requeue" in title(), what="the title bar saying the requeue runs")
+            await until(pilot, lambda: "⟳ requeue" in title_of(app), what="the title bar saying the requeue runs")
             screen = app.screen
             assert isinstance(screen, DeadLettersScreen)
             screen.data_at = None
             screen.reload()
             await until(pilot, lambda: screen.data_at is not None, what="a read while the action waits")
-            assert "⟳ requeue" in title() and "under way" in notes(app) and "Requeued" not in notes(app)
+            assert "⟳ requeue" in title_of(app) and "under way" in notes(app) and "Requeued" not in notes(app)
             locker.rollback()
             await until(pilot, lambda: "Requeued 3 job(s)" in notes(app), what="the requeue's outcome")
-            await until(pilot, lambda: "⟳" not in title(), what="the title bar without it")
+            await until(pilot, lambda: "⟳" not in title_of(app), what="the title bar without it")
 
     try:
         run_async(scenario())
@@ -235,9 +229,6 @@ def test_an_action_whose_screen_was_closed_meanwhile_still_says_its_outcome_and_
     app = console(dsn)
     locker = db.connect(dsn)  # holds the job's row: the kill waits for it as long as the test says
 
-    def title() -> str:
-        return str(app.screen.query_one(TitleBar).render())
-
     async def scenario() -> None:
         async with app.run_test(size=(120, 24)) as pilot:
             await settle(pilot)
@@ -254,7 +245,7 @@ def test_an_action_whose_screen_was_closed_meanwhile_still_says_its_outcome_and_
             await until(pilot, lambda: app.screen is not detail and not detail.is_attached, what="the detail closed")
             locker.rollback()
             await until(pilot, lambda: "Killed 1 job(s)" in notes(app), what="the kill's outcome")
-            await until(pilot, lambda: "⟳" not in title(), what="the title bar without it")
+            await until(pilot, lambda: "⟳" not in title_of(app), what="the title bar without it")
             assert app.acting == ()
 
     try:
@@ -313,10 +304,7 @@ def test_a_second_action_is_asked_and_runs_at_once_while_another_waits(dsn: str,
     async def scenario() -> None:
         async with app.run_test(size=(120, 24)) as pilot:
             await settle(pilot)
-            await pilot.press("d")
-            await settle(pilot)
-            screen = app.screen
-            assert isinstance(screen, DeadLettersScreen)
+            screen = await opened(pilot, "d", DeadLettersScreen)
             first = screen.current()
             assert first is not None and first.fingerprint == "boom"
             await pilot.press("r")
@@ -370,10 +358,7 @@ def test_a_groups_question_is_never_asked_over_another_screen(dsn: str, conn: db
     async def scenario() -> None:
         async with app.run_test(size=(120, 24)) as pilot:
             await settle(pilot)
-            await pilot.press("d")
-            await settle(pilot)
-            screen = app.screen
-            assert isinstance(screen, DeadLettersScreen)
+            screen = await opened(pilot, "d", DeadLettersScreen)
             locker.execute("LOCK TABLE job_queue IN ACCESS EXCLUSIVE MODE")
             await pilot.press("r")
             assert screen.fetching
@@ -567,10 +552,7 @@ def test_kill_a_group_of_retrying_jobs(dsn: str, conn: db.Conn, make_job: Any) -
     async def scenario() -> None:
         async with app.run_test(size=SIZE) as pilot:
             await settle(pilot)
-            await pilot.press("d")
-            await settle(pilot)
-            screen = app.screen
-            assert isinstance(screen, DeadLettersScreen)
+            screen = await opened(pilot, "d", DeadLettersScreen)
             group = screen.current()
             assert group is not None and group.state == "retry_scheduled" and group.count == 2
             await pilot.press("space")  # mark it: K acts on the marked groups
@@ -737,10 +719,7 @@ def test_a_jobs_read_that_fails_says_so_on_the_status_line_until_one_succeeds(ds
     async def scenario() -> None:
         async with app.run_test(size=SIZE) as pilot:
             await settle(pilot)
-            await pilot.press("j")
-            await settle(pilot)
-            screen = app.screen
-            assert isinstance(screen, JobsScreen)
+            screen = await opened(pilot, "j", JobsScreen)
             status = screen.query_one("#jobs-status", Static)
             assert "1 job(s)" in str(status.content)
             screen.set_filter(search="nothing like it")
@@ -865,10 +844,7 @@ def test_job_types_screen_shows_what_the_workers_registered(dsn: str) -> None:
         app = console(dsn)
         async with app.run_test(size=SIZE) as pilot:
             await settle(pilot)
-            await pilot.press("t")
-            await settle(pilot)
-            screen = app.screen
-            assert isinstance(screen, ContractsScreen)
+            screen = await opened(pilot, "t", ContractsScreen)
             crash = next(c for c in screen.data.contracts if c.job_type == "t.crash")
             assert crash.fields["max_attempts"] == (2, "type:t.crash")
             assert crash.reason == "tests need fast, bounded retries"

@@ -11,7 +11,7 @@ from qconsole.screens.confirm import ConfirmScreen
 from qconsole.screens.dead_letters import DeadLettersScreen, group_key
 from qconsole.screens.workers import WorkersScreen
 from tests.qconsole.conftest import FakeBackend, FakeLauncher, fake_app
-from tests.qconsole.pilot import run_async, settle, until
+from tests.qconsole.pilot import opened, run_async, settle, until
 from worker_core.models import DeadLetterGroup
 
 SIZE = (80, 24)
@@ -98,10 +98,7 @@ def test_marks_that_vanish_on_refresh_never_hand_the_action_to_the_cursors_group
     async def scenario() -> None:
         async with app.run_test(size=SIZE) as pilot:
             await settle(pilot)
-            await pilot.press("d")
-            await settle(pilot)
-            screen = app.screen
-            assert isinstance(screen, DeadLettersScreen)
+            screen = await opened(pilot, "d", DeadLettersScreen)
             marked = screen.current()
             assert marked is not None
             await pilot.press("space")  # marks it, the cursor moves down to read the next

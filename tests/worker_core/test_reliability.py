@@ -84,6 +84,17 @@ def test_a_frozen_worker_loses_its_job_and_cannot_settle_it_when_it_wakes(
     assert state(dsn, jid) == "succeeded"
 
 
+def _orphan_seen_by(busy: worker_core.worker.Worker, conn: db.Conn, orphan: object) -> None:
+    """Make ``orphan`` the expired lease of a worker that died, and wait for ``busy`` to see it waiting."""
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'gone:1:dead',"
+        " locked_until = now() - interval '1 minute' WHERE id = %s",
+        (orphan,),
+    )
+    conn.commit()
+    wait_for(lambda: busy._want_solo, 10, what="the busy worker to see the orphan")
+
+
 def test_a_busy_worker_claims_again_once_another_healed_the_orphan_it_drained_for(dsn: str, conn: db.Conn) -> None:
     # a worker that saw an expired lease stopped claiming until its own longest job ended, long after an
     # idle worker had taken the orphan: one dead worker held up the busy part of the fleet
@@ -92,13 +103,7 @@ def test_a_busy_worker_claims_again_once_another_healed_the_orphan_it_drained_fo
     conn.commit()
     with running_worker(dsn, heartbeat_interval=0.2, queues=("default", "solo")) as busy:
         wait_for(lambda: state(dsn, slow) == "running", 10, what="the long job to start")
-        conn.execute(
-            "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'gone:1:dead',"
-            " locked_until = now() - interval '1 minute' WHERE id = %s",
-            (orphan,),
-        )
-        conn.commit()
-        wait_for(lambda: busy._want_solo, 10, what="the busy worker to see the orphan")
+        _orphan_seen_by(busy, conn, orphan)
         with running_worker(dsn, heartbeat_interval=0.2, queues=("solo",)):
             wait_for(lambda: state(dsn, orphan) == "succeeded", 10, what="the idle worker to heal it")
         fresh = [enqueue(conn, "t.ok", {}).id for _ in range(3)]
@@ -121,13 +126,7 @@ def test_a_busy_worker_drains_for_solo_work_for_a_bounded_time(
     conn.commit()
     with running_worker(dsn, heartbeat_interval=0.2) as busy:
         wait_for(lambda: state(dsn, slow) == "running", 10, what="the long job to start")
-        conn.execute(
-            "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'gone:1:dead',"
-            " locked_until = now() - interval '1 minute' WHERE id = %s",
-            (orphan,),
-        )
-        conn.commit()
-        wait_for(lambda: busy._want_solo, 10, what="the busy worker to see the orphan")
+        _orphan_seen_by(busy, conn, orphan)
         fresh = [enqueue(conn, "t.ok", {}).id for _ in range(3)]
         conn.commit()
         wait_for(lambda: all(state(dsn, j) == "succeeded" for j in fresh), 10, what="the fresh jobs")
