@@ -240,10 +240,19 @@ def console_calls() -> dict[str, Callable[[Any], Any]]:
     except ImportError:
         pass
 
+    # the console's clock: aligned to the server's once, then read locally (a system clock would read the
+    # server's time on every call, as a one-shot CLI command does)
+    try:
+        from worker_core.clock import ServerAlignedClock
+
+        clock: Any = ServerAlignedClock()
+    except ImportError:  # a root from before it
+        from worker_core.clock import SYSTEM_CLOCK as clock
+
     def overview_refresh(conn: Any) -> Any:
-        out = stats.overview(conn)
+        out = stats.overview(conn, clock)
         if hasattr(stats, "latency_series"):
-            stats.latency_series(conn)
+            stats.latency_series(conn, clock)
         return out
 
     return {

@@ -40,7 +40,8 @@ if run_console is not None:
     sys.exit(run_console(dsn, False, 2.0, None))
 from qconsole.app import make_app
 from qconsole.backend import DatabaseBackend
-sys.exit(make_app(DatabaseBackend(dsn), refresh_seconds=2.0).run() or 0)
+backend = DatabaseBackend(dsn)
+sys.exit(make_app(backend, clock=backend.clock, refresh_seconds=2.0).run() or 0)
 """
 
 PROBE = "import qconsole.app, qconsole.backend"

@@ -327,6 +327,7 @@ def run_console(
         launcher = console_launcher(resolved)
     app = make_app(
         backend,
+        clock=backend.clock,  # the server's time, as the backend measures it: ages and lags on screen
         refresh_seconds=refresh,
         theme=theme,
         read_only=read_only,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 import psycopg
 
 from worker_core import db, ops, stats
-from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.clock import SYSTEM_CLOCK, Clock, ServerAlignedClock, SystemClock
 from worker_core.errors import ReadOnlyError
 from worker_core.models import (
     ActionResult,
@@ -49,6 +50,8 @@ CALL_DEADLINE_MIN_S = 10.0
 #: how often the server checks that an action's client is still there while it waits (PostgreSQL 14+): an action
 #: aborted at quit while it waits for a row lock ends then, with the locks it took, not once that lock is free
 CLIENT_CHECK_INTERVAL_MS = 1000
+#: how often the console measures its host's clock against the server's (DatabaseBackend._align_clock)
+CLOCK_ALIGN_EVERY_S = 60.0
 #: the states the dead-letters screen groups: what an operator requeues (dead, failed) or kills (retrying)
 DEAD_LETTER_STATES = ("dead_lettered", "failed", "retry_scheduled")
 
@@ -158,7 +161,11 @@ class DatabaseBackend:
     ) -> None:
         self.dsn = dsn
         self.read_only = read_only
-        self.clock = clock
+        #: the system's clock is put onto the server's (its leases, lags, schedules and ages are in the
+        #: server's time: a console on a host two minutes ahead read every lag two minutes long, and requeued
+        #: jobs for two minutes later); give the app this clock too (run_console does)
+        self.clock: Clock = ServerAlignedClock(clock) if isinstance(clock, SystemClock) else clock
+        self._align_due = 0.0  # monotonic time of the next measure (on the first call, then every minute)
         self.statement_timeout_ms = statement_timeout_ms
         self.connect_timeout = connect_timeout
         #: a call (a screen's read: a few statements, each under the statement timeout) still without an
@@ -210,6 +217,7 @@ class DatabaseBackend:
             deadline = db.Deadline(conn, self.call_deadline_s)
             try:
                 with deadline:
+                    self._align_clock(conn)
                     return fn(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
                 # a dead server, a terminated session or a timeout: start from a new connection next time
@@ -255,6 +263,13 @@ class DatabaseBackend:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
 
+    def _align_clock(self, conn: db.Conn) -> None:
+        """Measure the clock against the server's (one round trip) on a connection's first call and every
+        CLOCK_ALIGN_EVERY_S after: the actions, which run on connections of their own, use what was measured."""
+        if isinstance(self.clock, ServerAlignedClock) and time.monotonic() >= self._align_due:
+            self._align_due = time.monotonic() + CLOCK_ALIGN_EVERY_S
+            self.clock.align_on(conn)
+
     def _refuse_if_aborted(self) -> None:
         if self._actions_aborted:
             raise ActionsAborted("the console quit: the action was not run")
@@ -270,6 +285,7 @@ class DatabaseBackend:
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
+        self._align_due = 0.0  # the next connection may be to another server (a failover): measure again
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
                 conn.close()

@@ -25,7 +25,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg.types.json import Jsonb
 
 from worker_core import db
-from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.clock import SYSTEM_CLOCK, Clock, statement_now
 from worker_core.envelope import NUL_IN_JSON_RE
 from worker_core.errors import TransientError
 from worker_core.locks import LockBackend, PostgresLocks, new_token
@@ -41,7 +41,8 @@ class SingleFlightTimeout(TransientError):
 
 
 def _get(conn: db.AnyConn, key: str, clock: Clock) -> tuple[bool, Any]:
-    row = db.dict_cursor(conn).execute(queries["single_flight_get"], {"key": key, "now": clock.now()}).fetchone()
+    params = {"key": key, "now": statement_now(clock)}
+    row = db.dict_cursor(conn).execute(queries["single_flight_get"], params).fetchone()
     return (True, row["value"]) if row else (False, None)
 
 
@@ -59,7 +60,8 @@ def _storable(key: str, value: Any) -> Any:
 
 
 def _put(conn: db.AnyConn, key: str, value: Any, ttl: float, clock: Clock) -> None:
-    conn.execute(queries["single_flight_put"], {"key": key, "value": Jsonb(value), "ttl": ttl, "now": clock.now()})
+    params = {"key": key, "value": Jsonb(value), "ttl": ttl, "now": statement_now(clock)}
+    conn.execute(queries["single_flight_put"], params)
 
 
 class _LeaseKeeper:
@@ -168,14 +170,14 @@ async def asingle_flight(
     name = LEASE_PREFIX + key
 
     async def get() -> tuple[bool, Any]:
-        cur = await c.execute(queries["single_flight_get"], {"key": key, "now": clock.now()})
+        cur = await c.execute(queries["single_flight_get"], {"key": key, "now": statement_now(clock)})
         row = await cur.fetchone()
         return (True, row["value"]) if row else (False, None)
 
     async def keep(token: str) -> None:
         while True:
             await asyncio.sleep(lease / 3)
-            params = {"key": name, "token": token, "ttl": lease, "now": clock.now()}
+            params = {"key": name, "token": token, "ttl": lease, "now": statement_now(clock)}
             if await (await c.execute(queries["lock_extend"], params)).fetchone() is None:
                 _log.warning("single_flight: the lease %s was taken during its refill", name)
                 return
@@ -187,7 +189,7 @@ async def asingle_flight(
                 return value
             token = new_token()
             try:
-                params = {"key": name, "token": token, "ttl": lease, "job_id": None, "now": clock.now()}
+                params = {"key": name, "token": token, "ttl": lease, "job_id": None, "now": statement_now(clock)}
                 cur = await c.execute(queries["lock_acquire"], params)
                 got = await cur.fetchone() is not None
             except asyncio.CancelledError:
@@ -209,7 +211,7 @@ async def asingle_flight(
                             await keeper
                     await c.execute(
                         queries["single_flight_put"],
-                        {"key": key, "value": Jsonb(stored), "ttl": ttl, "now": clock.now()},
+                        {"key": key, "value": Jsonb(stored), "ttl": ttl, "now": statement_now(clock)},
                     )
                     return stored
                 finally:

@@ -14,7 +14,7 @@ import uuid
 from typing import Any, Protocol
 
 from worker_core import db
-from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.clock import SYSTEM_CLOCK, Clock, statement_now
 from worker_core.db import Conn
 from worker_core.sql import queries
 
@@ -48,7 +48,7 @@ class PostgresLocks:
 
     def _run(self, conn: Conn, query: str, params: dict[str, Any]) -> bool:
         with conn.transaction():
-            row = conn.execute(queries[query], {**params, "now": self.clock.now()}).fetchone()
+            row = conn.execute(queries[query], {**params, "now": statement_now(self.clock)}).fetchone()
         return row is not None
 
     def acquire(self, conn: Conn, key: str, token: str, ttl: float, job_id: uuid.UUID | None = None) -> bool:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.clock import SYSTEM_CLOCK, Clock, now_on
 from worker_core.db import Conn
 from worker_core.sql import queries
 
@@ -174,7 +174,7 @@ def housekeeping(
     its own: at thousands of jobs a second, a round of one transaction capped at a few batches fell behind
     for good, and held every row it deleted locked until its end."""
     retention = retention or Retention()
-    now = clock.now()
+    now = now_on(conn, clock)
     with conn.transaction():
         won = conn.execute(queries["try_housekeeping_lock"], {"key": HOUSEKEEPING_LOCK}).fetchone()
     if not won or not won["won"]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.clock import SYSTEM_CLOCK, Clock, now_on
 from worker_core.db import Conn
 from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
@@ -152,7 +152,7 @@ def requeue(
         if problems:
             raise EnvelopeError(problems)
     actor = actor or Actor.current()
-    now = clock.now()
+    now = now_on(conn, clock)
     params = {
         "ids": ids,
         "now": now,
@@ -223,7 +223,7 @@ def kill(
     heartbeat (or by the next claim, if their worker is gone). Never retried."""
     ids = _ids(job_ids)
     actor = actor or Actor.current()
-    now = clock.now()
+    now = now_on(conn, clock)
     message = f"killed by {actor}" + (f": {reason}" if reason else "")
     with conn.transaction():
         ensure_writable(conn)
@@ -275,7 +275,7 @@ def set_paused(
     if not QUEUE_RE.match(queue):
         raise ValueError(f"{queue!r} is not a queue name")
     actor = actor or Actor.current()
-    now = clock.now()
+    now = now_on(conn, clock)
     with conn.transaction():
         ensure_writable(conn)
         found = conn.execute(queries["queue_known"], {"queue": queue}).fetchone()
@@ -328,7 +328,7 @@ def set_limit(
     if not JOB_TYPE_RE.match(job_type):
         raise ValueError(f"{job_type!r} is not a job type name ([a-z0-9_.-]+)")
     actor = actor or Actor.current()
-    now = clock.now()
+    now = now_on(conn, clock)
     with conn.transaction():
         ensure_writable(conn)
         known = conn.execute(queries["job_type_known"], {"job_type": job_type}).fetchone()
@@ -364,7 +364,7 @@ def clear_limit(
     clock: Clock = SYSTEM_CLOCK,
 ) -> ActionResult:  # fmt: skip
     actor = actor or Actor.current()
-    now = clock.now()
+    now = now_on(conn, clock)
     with conn.transaction():
         ensure_writable(conn)
         found = conn.execute(queries["limit_clear"], {"job_type": job_type, "queue": queue}).fetchone()

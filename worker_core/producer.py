@@ -14,7 +14,7 @@ from typing import Any
 from psycopg.pq import TransactionStatus
 
 from worker_core import policy
-from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.clock import SYSTEM_CLOCK, Clock, statement_now
 from worker_core.db import AnyConn, dict_cursor
 from worker_core.envelope import (
     DEFAULT_QUEUE,
@@ -139,21 +139,23 @@ def _in_callers_transaction(conn: AnyConn) -> contextlib.AbstractContextManager[
     return contextlib.nullcontext()
 
 
-def _count_dedup_hits(conn: AnyConn, now: dt.datetime, hits: Mapping[tuple[str, str], int]) -> None:
+def _count_dedup_hits(conn: AnyConn, now: dt.datetime | None, hits: Mapping[tuple[str, str], int]) -> None:
     rows = [{"queue": q, "job_type": t, "n": n} for (q, t), n in sorted(hits.items()) if n]
     if rows:
         conn.execute(queries["count_dedup_hits"], {"now": now, "rows": json.dumps(rows)})
 
 
-def _params(env: Envelope, now: dt.datetime) -> dict[str, Any]:
-    scheduled = env.scheduled_at or now + dt.timedelta(seconds=env.delay_seconds)
+def _params(env: Envelope) -> dict[str, Any]:
     return {
         "job_type": env.job_type,
         "queue": env.queue,
         "payload": env.payload_json,
         "priority": env.priority,
         "max_attempts": env.max_attempts,
-        "scheduled_at": scheduled,
+        # an absolute time as given; else the delay after the statement's "now": the server's clock, since a
+        # producer's host may be off (one two minutes ahead delayed every job it enqueued by two minutes)
+        "scheduled_at": env.scheduled_at,
+        "delay": float(env.delay_seconds),
         "idempotency_key": env.idempotency_key,
         "dedup_key": env.dedup_key,
         "lock_key": env.lock_key,
@@ -186,8 +188,8 @@ def enqueue(
         registry,
         registered_defaults(conn, [job_type], registry),
     )
-    now = clock.now()
-    params = {**_params(env, now), "now": now}
+    now = statement_now(clock)
+    params = {**_params(env), "now": now}
     cur = dict_cursor(conn)
     with _in_callers_transaction(conn):
         for _ in range(5):
@@ -241,8 +243,8 @@ def enqueue_many(
         raise EnvelopeError(problems)
     if not envs:
         return []
-    now = clock.now()
-    rows = [_params(env, now) for env in _in_key_order(envs)]
+    now = statement_now(clock)
+    rows = [_params(env) for env in _in_key_order(envs)]
     columns = {name: [r[name] for r in rows] for name in rows[0]}
     cur = dict_cursor(conn)
     with _in_callers_transaction(conn):
@@ -258,7 +260,7 @@ def enqueue_many(
             if not gone:
                 break
             firsts = {e.dedup_key: e for e in reversed(envs) if e.dedup_key in gone}
-            again = [_params(e, now) for e in _in_key_order(list(firsts.values()))]
+            again = [_params(e) for e in _in_key_order(list(firsts.values()))]
             more = cur.execute(
                 queries["insert_jobs_many"], {**{n: [r[n] for r in again] for n in again[0]}, "now": now}
             ).fetchall()

@@ -14,7 +14,7 @@ from typing import Any
 
 from psycopg import sql
 
-from worker_core.clock import SYSTEM_CLOCK, Clock
+from worker_core.clock import SYSTEM_CLOCK, Clock, now_on
 from worker_core.db import Conn
 from worker_core.errors import NotFound
 from worker_core.models import (
@@ -48,7 +48,7 @@ def _ago(now: dt.datetime, minutes: int) -> dt.datetime:
 
 def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WINDOW_MINUTES) -> Overview:
     """Per queue and job type: counts by state, lag, rates; queues; live workers; hourly series."""
-    now = clock.now()
+    now = now_on(conn, clock)
     rows: dict[tuple[str, str], dict[str, Any]] = defaultdict(dict)
     with conn.transaction():
         for r in conn.execute(queries["stats_live"], {"now": now}):
@@ -147,7 +147,7 @@ def series(
     (or per queue), oldest first, over the last ``minutes``."""
     if metric not in ("succeeded", "failed", "dead_lettered", "retried", "lease_expirations", "started"):
         raise ValueError(f"unknown series {metric!r}")
-    now = clock.now()
+    now = now_on(conn, clock)
     start = _ago(now, minutes)
     out: dict[str, list[float]] = defaultdict(lambda: [0.0] * minutes)
     with conn.transaction():
@@ -159,7 +159,7 @@ def series(
 
 
 def workers(conn: Conn, clock: Clock = SYSTEM_CLOCK) -> list[WorkerInfo]:
-    now = clock.now()
+    now = now_on(conn, clock)
     out = []
     for r in conn.execute(queries["workers_list"], {"since": now - dt.timedelta(minutes=10)}):
         lost = r["stopped_at"] is None and (now - r["last_heartbeat_at"]).total_seconds() > LOST_AFTER_SECONDS
@@ -375,7 +375,7 @@ def audit_log(conn: Conn, limit: int = 100) -> list[AuditEntry]:
 
 def oldest_waiting(conn: Conn, clock: Clock = SYSTEM_CLOCK, by: str = "queue") -> dict[str, float]:
     """The age, in seconds, of the oldest job due and waiting now, per queue (or job type)."""
-    now = clock.now()
+    now = now_on(conn, clock)
     out: dict[str, float] = {}
     with conn.transaction():
         for r in conn.execute(queries["stats_live"], {"now": now}):
@@ -398,7 +398,7 @@ def latency_series(
     which nothing starts (its workers dead, say) read 0 exactly when its lag was worst."""
     if by not in ("queue", "job_type"):
         raise ValueError(f"cannot group latency by {by!r}")
-    start = _ago(clock.now(), minutes)
+    start = _ago(now_on(conn, clock), minutes)
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * minutes)
     counts: dict[str, list[float]] = defaultdict(lambda: [0.0] * minutes)
     with conn.transaction():
@@ -419,7 +419,7 @@ def attempts_distribution(
 ) -> dict[str, dict[int, int]]:
     """Per job type: how many jobs that finished in the last ``minutes`` took 1, 2, 3... attempts (of the
     newest ATTEMPTS_SAMPLE of them: the chart is a distribution, and a busy hour's are millions)."""
-    since = clock.now() - dt.timedelta(minutes=minutes)
+    since = now_on(conn, clock) - dt.timedelta(minutes=minutes)
     out: dict[str, dict[int, int]] = defaultdict(dict)
     params = {"since": since, "sample": ATTEMPTS_SAMPLE}
     for r in conn.execute(queries["stats_attempts_distribution"], params):

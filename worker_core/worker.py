@@ -43,7 +43,7 @@ from psycopg.types.json import set_json_loads
 from typing_extensions import LiteralString
 
 from worker_core import db, maintenance
-from worker_core.clock import SYSTEM_CLOCK, Clock, SystemClock
+from worker_core.clock import SYSTEM_CLOCK, Clock, ServerAlignedClock, SystemClock
 from worker_core.completer import Completer
 from worker_core.context import JobContext
 from worker_core.execution import Abandoned, Execution, Slot, UndecodablePayload, array_literal
@@ -75,8 +75,7 @@ GROUPS_IN_FLIGHT = 8
 #: (a fleet of long jobs stopped taking new work for as long as its longest job ran)
 SOLO_DRAIN_SECONDS = 30.0
 #: a worker's clock further than this from the database server's is said in its log (Worker._check_clock):
-#: leases are compared in the workers' time, and a live lease's remaining time is most of its visibility
-#: timeout (35 s at least), so a few seconds are harmless and tens are not
+#: the worker itself then runs on the server's time (ServerAlignedClock), what else runs on its host does not
 CLOCK_SKEW_WARN_SECONDS = 5.0
 CLAIM_RUN = queries["claim_run"].encode()
 PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
@@ -146,12 +145,14 @@ class Worker:
         self.registry = registry or global_registry
         if not self.registry.job_types():
             raise ValueError("no task is registered: give --tasks MODULE with @worker_core.task handlers")
-        self.clock = clock
+        # the system's clock is put onto the database server's when they differ (ServerAlignedClock); a test's
+        # clock is taken as it is
+        self.clock: Clock = ServerAlignedClock(clock) if isinstance(clock, SystemClock) else clock
         self.id = config.worker_id or default_worker_id()
         self.dsn = db.resolve_dsn(config.dsn)
         self.log = bound_logger("worker_core.worker", worker_id=self.id)
-        self.locks: LockBackend = lock_backend(config.lock_backend, clock)
-        self.metrics = MetricsBuffer(clock)
+        self.locks: LockBackend = lock_backend(config.lock_backend, self.clock)
+        self.metrics = MetricsBuffer(self.clock)
         self.completer = Completer(self)
         self.prefetch = 2 * config.concurrency if config.prefetch is None else max(0, config.prefetch)
         #: in slot loads (see job_load): what the slots run plus the prefetch buffer
@@ -962,25 +963,30 @@ class Worker:
             self._look_for_solo_work(conn)
 
     def _check_clock(self, sent_at: dt.datetime, answered_at: dt.datetime, db_now: dt.datetime) -> None:
-        """Leases are written and compared in the workers' own time (``locked_until``): a worker whose clock
-        is ahead takes live jobs from others as expired leases (the handler then runs twice at once), one
-        whose clock is behind writes leases others already find expired. Each beat measures this worker's
-        clock against the server's, and a difference past CLOCK_SKEW_WARN_SECONDS is said, every ten
-        minutes while it lasts (``clock_skew_seconds``: the last measure). Against the middle of the
-        statement's round trip, and not when that took more than a second (a beat that waited on a row
-        lock read as skew)."""
-        if not isinstance(self.clock, SystemClock):
+        """Leases are written and compared in the time of the worker that runs the statement (``locked_until``):
+        a worker whose clock is ahead took live jobs from others as expired leases (the handler then ran twice
+        at once), one whose clock is behind wrote leases others already found expired. Each beat measures
+        this host's clock against the server's, against the middle of the statement's round trip, and not
+        when that took more than a second (a beat that waited on a row lock read as skew). A difference of a
+        second or more puts the worker's clock onto the server's (ServerAlignedClock.align); one past
+        CLOCK_SKEW_WARN_SECONDS is also said, every ten minutes while it lasts, since what else runs on the
+        host (producers' schedules, other programs) keeps the wrong time (``clock_skew_seconds``: the last
+        measure, the host's clock against the server's)."""
+        if not isinstance(self.clock, ServerAlignedClock):
             return  # a clock a test moves by hand
         trip = answered_at - sent_at
         if trip > dt.timedelta(seconds=1):
             return
-        self.clock_skew_seconds = skew = (sent_at + trip / 2 - db_now).total_seconds()
+        # the readings are already corrected by the clock's offset: what is left, plus the offset, is the host's
+        skew = (sent_at + trip / 2 - db_now).total_seconds() + self.clock.offset
+        self.clock_skew_seconds = skew
+        self.clock.align(skew, trip.total_seconds())
         if abs(skew) > CLOCK_SKEW_WARN_SECONDS and time.monotonic() >= self._skew_said_until:
             self._skew_said_until = time.monotonic() + 600
             self.log.warning(
-                "this host's clock is %.1f s %s the database server's: leases are written and compared in the"
-                " workers' time, so a live job may look expired to one worker and be run by two at once;"
-                " set the clocks right (NTP)",
+                "this host's clock is %.1f s %s the database server's: this worker keeps its leases in the"
+                " server's time, but what else runs here (producers' schedules, other workers before their"
+                " first beat) does not; set the clocks right (NTP)",
                 abs(skew), "ahead of" if skew > 0 else "behind",
             )  # fmt: skip
 

@@ -19,7 +19,7 @@ from qconsole.backend import APPLICATION_NAME, ActionsAborted, DatabaseBackend
 from qconsole.embedded_workers import EmbeddedWorkers
 from tests.worker_core.helpers import scalar, wait_for
 from worker_core import db, stats
-from worker_core.clock import FixedClock
+from worker_core.clock import FixedClock, SystemClock
 from worker_core.errors import ReadOnlyError
 from worker_core.models import JobState
 from worker_core.worker import Worker, WorkerConfig
@@ -71,6 +71,34 @@ def test_the_lag_series_ends_at_the_oldest_waiting_job_when_nothing_starts(
             assert lag["mail"][:-1] == [0.0] * (stats.SERIES_MINUTES - 1)
     finally:
         backend.close()
+
+
+class _AheadClock(SystemClock):
+    """The system's clock on a host two minutes ahead of the database server's."""
+
+    def now(self) -> dt.datetime:
+        return super().now() + dt.timedelta(seconds=120)
+
+
+def test_a_console_on_a_host_whose_clock_is_off_reads_and_acts_in_the_servers_time(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
+    # two minutes ahead, the console read every lag two minutes long and requeued jobs for two minutes later
+    waiting = make_job("t.ok", {}, queue="mail")
+    dead = make_job("t.ok", {})
+    conn.execute("UPDATE job_queue SET scheduled_at = now() - interval '30 seconds' WHERE id = %s", (waiting,))
+    conn.execute("UPDATE job_queue SET state = 'dead_lettered', finished_at = now() WHERE id = %s", (dead,))
+    conn.commit()
+    backend = DatabaseBackend(dsn, clock=_AheadClock())
+    try:
+        assert backend.overview().lag["mail"][-1] == pytest.approx(30, abs=10)
+        backend.requeue([dead])
+    finally:
+        backend.close()
+    due = "SELECT extract(epoch FROM scheduled_at - now()) FROM job_queue WHERE id = %s"
+    assert abs(scalar(dsn, due, (dead,))) < 10
+    # a one-shot command (the CLI's) reads the server's clock instead
+    assert stats.oldest_waiting(conn, _AheadClock())["mail"] == pytest.approx(30, abs=10)
 
 
 def test_attempts_distribution_counts_finished_jobs(dsn: str, conn: db.Conn, make_job: Any) -> None:

@@ -16,8 +16,10 @@ import pytest
 import worker_core.worker
 from tests.worker_core.helpers import job, ledger, running_worker, scalar, spawn_python, state, wait_for
 from worker_core import db
-from worker_core.clock import SystemClock
-from worker_core.producer import enqueue
+from worker_core.clock import ServerAlignedClock, SystemClock
+from worker_core.coordination import single_flight
+from worker_core.locks import PostgresLocks
+from worker_core.producer import enqueue, enqueue_many
 
 
 def test_heartbeat_extends_the_lease_of_a_running_job(dsn: str, conn: db.Conn) -> None:
@@ -135,6 +137,87 @@ def test_a_busy_worker_drains_for_solo_work_for_a_bounded_time(
         time.sleep(1.0)
         assert len(claims) - before < 100
         assert (state(dsn, slow), job(dsn, orphan)["locked_by"]) == ("running", "gone:1:dead")
+
+
+class _SkewedClock(SystemClock):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def now(self) -> dt.datetime:
+        return super().now() + dt.timedelta(seconds=self.seconds)
+
+
+def test_a_worker_whose_clock_is_ahead_leaves_live_leases_alone(dsn: str, conn: db.Conn) -> None:
+    # a live job of another worker, its lease 60 s from its end in the server's time: a worker whose clock was
+    # two minutes ahead took it as an expired lease at once, and ran its handler a second time while the first ran
+    live = enqueue(conn, "t.ok", {}).id
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'other:1:live', started_at = now(),"
+        " locked_until = clock_timestamp() + interval '60 seconds' WHERE id = %s",
+        (live,),
+    )
+    fresh = enqueue(conn, "t.ok", {}).id
+    conn.commit()
+    with running_worker(dsn, clock=_SkewedClock(120), heartbeat_interval=0.2) as ahead:
+        wait_for(lambda: state(dsn, fresh) == "succeeded", 10, what="the fresh job")
+        time.sleep(1.0)  # five beats, each of which looks for expired leases
+        assert 110 < (ahead.clock_skew_seconds or 0) < 130
+    assert (state(dsn, live), job(dsn, live)["locked_by"]) == ("running", "other:1:live")
+    # and what it wrote is in the server's time, not two minutes ahead
+    finished = "SELECT abs(extract(epoch FROM finished_at - now())) FROM job_queue WHERE id = %s"
+    assert scalar(dsn, finished, (fresh,)) < 30
+
+
+def test_a_worker_whose_clock_is_behind_writes_leases_others_find_live(dsn: str, conn: db.Conn) -> None:
+    # two minutes behind, a worker wrote leases that ended 30 s before they began in the server's time: any
+    # other worker took its running job as an orphan
+    slow = enqueue(conn, "t.slow", {"seconds": 20}).id
+    conn.commit()
+    with running_worker(dsn, clock=_SkewedClock(-120), heartbeat_interval=0.2):
+        wait_for(lambda: state(dsn, slow) == "running", 10, what="the job to start")
+        left = scalar(dsn, "SELECT extract(epoch FROM locked_until - now()) FROM job_queue WHERE id = %s", (slow,))
+        assert left > 30
+
+
+def test_a_producer_whose_clock_is_off_schedules_in_the_servers_time(dsn: str, conn: db.Conn) -> None:
+    # two minutes ahead, a producer delayed every job it enqueued by two minutes; two behind, it put them
+    # ahead of older jobs of the same priority
+    ahead, behind = _SkewedClock(120), _SkewedClock(-120)
+    now_job = enqueue(conn, "t.ok", {}, clock=ahead).id
+    later = enqueue(conn, "t.ok", {}, clock=behind, delay_seconds=60).id
+    [many] = enqueue_many(conn, [("t.ok", {}, {"delay_seconds": 30})], clock=ahead)
+    conn.commit()
+    due = "SELECT extract(epoch FROM scheduled_at - now()) FROM job_queue WHERE id = %s"
+    assert abs(scalar(dsn, due, (now_job,))) < 10
+    assert 50 < scalar(dsn, due, (later,)) < 70
+    assert 20 < scalar(dsn, due, (many.id,)) < 40
+    assert abs(scalar(dsn, "SELECT extract(epoch FROM created_at - now()) FROM job_queue WHERE id = %s", (later,))) < 10
+
+
+def test_lock_leases_and_single_flight_results_are_in_the_servers_time(conn: db.Conn) -> None:
+    # a host two minutes behind took a lock_key lease, or stored a single_flight result, that had run out two
+    # minutes before: the next caller took the lock at once, or never found the result
+    behind, right = _SkewedClock(-120), SystemClock()
+    assert PostgresLocks(behind).acquire(conn, "clock:k", "first", 60)
+    assert not PostgresLocks(right).acquire(conn, "clock:k", "second", 60)
+    calls = []
+    for clock in (behind, right):
+        single_flight("clock:sf", 60, lambda: calls.append(1) or 42, conn=conn, clock=clock)
+    assert calls == [1]
+
+
+def test_the_server_aligned_clock_moves_only_past_a_second() -> None:
+    clock = ServerAlignedClock(_SkewedClock(0))
+    clock.align(0.6, 0.001)
+    assert clock.offset == 0.0  # NTP-kept hosts: nothing moves
+    clock.align(1.5, 0.5)
+    assert clock.offset == 0.0  # too long a round trip to trust
+    clock.align(1.5, 0.001)
+    assert clock.offset == 1.5 and abs((SystemClock().now() - clock.now()).total_seconds() - 1.5) < 0.5
+    clock.align(0.6, 0.001)
+    assert clock.offset == 0.6  # once corrected, it follows down to half a second
+    clock.align(0.2, 0.001)
+    assert clock.offset == 0.0
 
 
 def test_a_worker_whose_clock_is_off_says_so(dsn: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,5 +1,6 @@
 -- Every query worker_core runs, one named block each: "-- name: <name>" starts a block.
--- Parameters are psycopg named placeholders; "now" is always a parameter (worker_core.clock).
+-- Parameters are psycopg named placeholders; "now" is always a parameter (worker_core.clock), but a producer's:
+-- there NULL stands for the server's clock (worker_core.producer: a producer's host keeps its own time).
 -- Identifiers are never interpolated: the only dynamic SQL is built with psycopg.sql in stats.py.
 
 ------------------------------------------------------------------------------------------------------
@@ -10,10 +11,11 @@
 INSERT INTO job_queue (
     job_type, queue, payload, priority, max_attempts, scheduled_at, idempotency_key, dedup_key, lock_key,
     timeout_seconds, visibility_timeout_seconds, retry_policy, tenant_id, trace_id, created_at, updated_at)
-VALUES (
-    %(job_type)s, %(queue)s, %(payload)s::jsonb, %(priority)s, %(max_attempts)s, %(scheduled_at)s,
-    %(idempotency_key)s, %(dedup_key)s, %(lock_key)s, %(timeout_seconds)s, %(visibility_timeout_seconds)s,
-    %(retry_policy)s::jsonb, %(tenant_id)s, %(trace_id)s, %(now)s, %(now)s)
+SELECT %(job_type)s, %(queue)s, %(payload)s::jsonb, %(priority)s, %(max_attempts)s,
+       coalesce(%(scheduled_at)s::timestamptz, t.now + make_interval(secs => %(delay)s::float8)),
+       %(idempotency_key)s, %(dedup_key)s, %(lock_key)s, %(timeout_seconds)s, %(visibility_timeout_seconds)s,
+       %(retry_policy)s::jsonb, %(tenant_id)s, %(trace_id)s, t.now, t.now
+FROM (SELECT coalesce(%(now)s::timestamptz, statement_timestamp()) AS now) AS t
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND state IN ('queued', 'running', 'retry_scheduled')
 DO NOTHING
 RETURNING id;
@@ -22,15 +24,16 @@ RETURNING id;
 INSERT INTO job_queue (
     job_type, queue, payload, priority, max_attempts, scheduled_at, idempotency_key, dedup_key, lock_key,
     timeout_seconds, visibility_timeout_seconds, retry_policy, tenant_id, trace_id, created_at, updated_at)
-SELECT t.job_type, t.queue, t.payload, t.priority, t.max_attempts, t.scheduled_at, t.idempotency_key,
+SELECT t.job_type, t.queue, t.payload, t.priority, t.max_attempts,
+       coalesce(t.scheduled_at, n.now + make_interval(secs => t.delay)), t.idempotency_key,
        t.dedup_key, t.lock_key, t.timeout_seconds, t.visibility_timeout_seconds, t.retry_policy,
-       t.tenant_id, t.trace_id, %(now)s, %(now)s
-FROM unnest(
+       t.tenant_id, t.trace_id, n.now, n.now
+FROM (SELECT coalesce(%(now)s::timestamptz, statement_timestamp()) AS now) AS n, unnest(
     %(job_type)s::text[], %(queue)s::text[], %(payload)s::jsonb[], %(priority)s::int[], %(max_attempts)s::int[],
-    %(scheduled_at)s::timestamptz[], %(idempotency_key)s::text[], %(dedup_key)s::text[], %(lock_key)s::text[],
-    %(timeout_seconds)s::float8[], %(visibility_timeout_seconds)s::float8[], %(retry_policy)s::jsonb[],
-    %(tenant_id)s::text[], %(trace_id)s::text[]
-) AS t(job_type, queue, payload, priority, max_attempts, scheduled_at, idempotency_key, dedup_key, lock_key,
+    %(scheduled_at)s::timestamptz[], %(delay)s::float8[], %(idempotency_key)s::text[], %(dedup_key)s::text[],
+    %(lock_key)s::text[], %(timeout_seconds)s::float8[], %(visibility_timeout_seconds)s::float8[],
+    %(retry_policy)s::jsonb[], %(tenant_id)s::text[], %(trace_id)s::text[]
+) AS t(job_type, queue, payload, priority, max_attempts, scheduled_at, delay, idempotency_key, dedup_key, lock_key,
        timeout_seconds, visibility_timeout_seconds, retry_policy, tenant_id, trace_id)
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL AND state IN ('queued', 'running', 'retry_scheduled')
 DO NOTHING
@@ -430,19 +433,20 @@ RETURNING id;
 DELETE FROM resource_locks WHERE job_id = ANY(%(jobs)s);
 
 ------------------------------------------------------------------------------------------------------
--- lock_key leases (PostgreSQL backend): token-fenced, expiring, so a dead holder frees it by itself.
+-- lock_key leases (PostgreSQL backend): token-fenced, expiring, so a dead holder frees it by itself. "now" NULL:
+-- the server's clock (worker_core.clock.statement_now), as for single_flight's results below.
 ------------------------------------------------------------------------------------------------------
 
 -- name: lock_acquire
 INSERT INTO resource_locks (lock_key, token, job_id, expires_at)
-VALUES (%(key)s, %(token)s, %(job_id)s, %(now)s + make_interval(secs => %(ttl)s))
+VALUES (%(key)s, %(token)s, %(job_id)s, coalesce(%(now)s::timestamptz, statement_timestamp()) + make_interval(secs => %(ttl)s))
 ON CONFLICT (lock_key) DO UPDATE
     SET token = EXCLUDED.token, job_id = EXCLUDED.job_id, expires_at = EXCLUDED.expires_at
-    WHERE resource_locks.expires_at < %(now)s OR resource_locks.token = EXCLUDED.token
+    WHERE resource_locks.expires_at < coalesce(%(now)s::timestamptz, statement_timestamp()) OR resource_locks.token = EXCLUDED.token
 RETURNING token;
 
 -- name: lock_extend
-UPDATE resource_locks SET expires_at = %(now)s + make_interval(secs => %(ttl)s)
+UPDATE resource_locks SET expires_at = coalesce(%(now)s::timestamptz, statement_timestamp()) + make_interval(secs => %(ttl)s)
 WHERE lock_key = %(key)s AND token = %(token)s
 RETURNING lock_key;
 
@@ -843,7 +847,7 @@ ON CONFLICT (minute, queue, job_type) DO UPDATE SET enqueued = m.enqueued + EXCL
 -- name: count_dedup_hits
 -- In the producer's transaction: appended, never an upsert of a shared row (migration 0014).
 INSERT INTO dedup_hit_counts (minute, queue, job_type, hits)
-SELECT date_trunc('minute', %(now)s::timestamptz), r.queue, r.job_type, r.n
+SELECT date_trunc('minute', coalesce(%(now)s::timestamptz, statement_timestamp())), r.queue, r.job_type, r.n
 FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(queue text, job_type text, n bigint);
 
 -- name: fold_dedup_hits
@@ -863,11 +867,11 @@ ON CONFLICT (minute, queue, job_type) DO UPDATE SET dedup_hits = m.dedup_hits + 
 ------------------------------------------------------------------------------------------------------
 
 -- name: single_flight_get
-SELECT value FROM single_flight_results WHERE key = %(key)s AND expires_at > %(now)s;
+SELECT value FROM single_flight_results WHERE key = %(key)s AND expires_at > coalesce(%(now)s::timestamptz, statement_timestamp());
 
 -- name: single_flight_put
 INSERT INTO single_flight_results (key, value, refilled_at, expires_at)
-VALUES (%(key)s, %(value)s::jsonb, %(now)s, %(now)s + make_interval(secs => %(ttl)s))
+VALUES (%(key)s, %(value)s::jsonb, coalesce(%(now)s::timestamptz, statement_timestamp()), coalesce(%(now)s::timestamptz, statement_timestamp()) + make_interval(secs => %(ttl)s))
 ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, refilled_at = EXCLUDED.refilled_at,
     expires_at = EXCLUDED.expires_at;
 
