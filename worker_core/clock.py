@@ -41,12 +41,14 @@ class FixedClock:
 SYSTEM_CLOCK = SystemClock()
 
 
-#: a host clock this far from the database server's is corrected (ServerAlignedClock.align)
+#: a host clock surely this far from the database server's (its measured difference less half the round trip's
+#: time) is corrected (ServerAlignedClock.align)
 ALIGN_SECONDS = 1.0
-#: and, once corrected, stays so until it comes within this
+#: and, once corrected, stays so while it is surely this far
 ALIGN_RELEASE_SECONDS = 0.5
-#: a measure over a round trip longer than this is too uncertain to move the clock by (its error: half the trip)
-ALIGN_MAX_TRIP_SECONDS = 0.2
+#: a measure over a longer round trip says nothing: a statement that waited (on a lock, a busy server) reads
+#: as skew
+ALIGN_MAX_TRIP_SECONDS = 1.0
 
 
 class ServerAlignedClock:
@@ -55,29 +57,46 @@ class ServerAlignedClock:
     Leases (``locked_until``), schedules and their comparisons are written in the time of whoever runs the
     statement: a worker whose clock is a minute ahead took live jobs from other workers as expired leases
     (their handlers then ran twice at once), and one a minute behind wrote leases the others found expired.
-    A worker measures its clock against the server's on each beat (``Worker._check_clock``) and calls
-    ``align`` with the measure: past ALIGN_SECONDS its time is the server's from then on, to within half a
-    round trip; within a second (NTP-kept hosts) nothing moves. A test's FixedClock is never aligned.
+    A worker measures its host's clock against the server's on each beat (``Worker._check_clock``), the
+    console every minute (``align_on``), and calls ``align``: a host surely ALIGN_SECONDS off (less half the
+    round trip: a database far away is measured as well) reads the server's time from then on, counted on
+    the monotonic clock from the measure, so that the host's clock being stepped (NTP, a VM resumed) does
+    not move it until the next measure; within a second (NTP-kept hosts) nothing moves. ``measured``: a
+    measure was taken; before it, ``now_on`` and ``statement_now`` read the server's clock, as for a plain
+    system clock. A test's FixedClock is never aligned.
     """
 
     def __init__(self, base: SystemClock | None = None) -> None:
         self.base = base or SystemClock()
-        #: seconds this host's clock is ahead of the server's, taken off every reading (0: not corrected)
+        #: seconds the host's clock was ahead of the server's at the last measure (0: not corrected)
         self.offset = 0.0
+        self.measured = False
+        #: while corrected: the server's time and the monotonic clock at the measure
+        self._anchor: tuple[dt.datetime, float] | None = None
 
     def now(self) -> dt.datetime:
-        at = self.base.now()
-        return at - dt.timedelta(seconds=self.offset) if self.offset else at
+        anchor = self._anchor
+        if anchor is None:
+            return self.base.now()
+        return anchor[0] + dt.timedelta(seconds=time.monotonic() - anchor[1])
+
+    def host_now(self) -> dt.datetime:
+        """The host's own clock: what a measure compares with the server's."""
+        return self.base.now()
 
     def align(self, skew: float, trip: float) -> None:
-        """``skew``: how far the base clock is ahead of the server's (negative: behind), measured over a round
-        trip of ``trip`` seconds."""
+        """``skew``: how far the host's clock is ahead of the server's (negative: behind), measured just now
+        over a round trip of ``trip`` seconds (its error: half of it)."""
         if trip > ALIGN_MAX_TRIP_SECONDS:
             return
-        if abs(skew) >= ALIGN_SECONDS or (self.offset and abs(skew) >= ALIGN_RELEASE_SECONDS):
+        self.measured = True
+        surely = abs(skew) - trip / 2
+        if surely >= ALIGN_SECONDS or (self._anchor is not None and surely >= ALIGN_RELEASE_SECONDS):
             self.offset = skew
+            self._anchor = (self.base.now() - dt.timedelta(seconds=skew), time.monotonic())
         else:
             self.offset = 0.0
+            self._anchor = None
 
     def align_on(self, conn: Any) -> float | None:
         """Measure this host's clock against the server of ``conn`` (one round trip) and align to it; the
@@ -86,11 +105,15 @@ class ServerAlignedClock:
         started = time.monotonic()
         server = _server_time(conn)
         trip = time.monotonic() - started
-        if trip > 1.0:
+        if trip > ALIGN_MAX_TRIP_SECONDS:
             return None
         skew = (sent + dt.timedelta(seconds=trip / 2) - server).total_seconds()
         self.align(skew, trip)
         return skew
+
+
+def _reads_the_server(clock: Clock) -> bool:
+    return isinstance(clock, SystemClock) or (isinstance(clock, ServerAlignedClock) and not clock.measured)
 
 
 def _server_time(conn: Any) -> dt.datetime:
@@ -107,14 +130,14 @@ def _server_time(conn: Any) -> dt.datetime:
 def statement_now(clock: Clock) -> dt.datetime | None:
     """A statement's "now" parameter where the SQL reads NULL as the server's clock
     (``coalesce(%(now)s::timestamptz, statement_timestamp())``): None for the system's clock, which may be
-    off (a producer's host, a handler's ``single_flight``), no extra round trip for it. A test's or an
-    aligned clock is asked as it is."""
-    return None if isinstance(clock, SystemClock) else clock.now()
+    off (a producer's host, a handler's ``single_flight``), no extra round trip for it. An aligned clock (once
+    measured) or a test's is asked as it is."""
+    return None if _reads_the_server(clock) else clock.now()
 
 
 def now_on(conn: Any, clock: Clock) -> dt.datetime:
     """``clock``'s time; for the system's clock, the database server's (one round trip): what a one-shot
     command (the CLI's requeue, its stats) writes and compares rows with. A host whose clock ran two minutes
-    ahead requeued jobs for two minutes later and read every lag two minutes long. An aligned or a test's
-    clock is asked as it is."""
-    return _server_time(conn) if isinstance(clock, SystemClock) else clock.now()
+    ahead requeued jobs for two minutes later and read every lag two minutes long. An aligned clock (once
+    measured) or a test's is asked as it is."""
+    return _server_time(conn) if _reads_the_server(clock) else clock.now()

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import psycopg
 
 from worker_core import db
-from worker_core.clock import SYSTEM_CLOCK
+from worker_core.clock import SYSTEM_CLOCK, now_on
 from worker_core.logs import bound_logger
 from worker_core.signals import STOP_SIGNALS, SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, relay_signals
 from worker_core.sql import queries
@@ -60,7 +60,7 @@ def _end_dead_worker(
             ids = [r["id"] for r in rows.fetchall()]
         else:
             ids = [worker_id]
-        now = SYSTEM_CLOCK.now()
+        now = now_on(conn, SYSTEM_CLOCK)  # the server's: a host ahead ended the leases in its own future
         ended = conn.execute(queries["expire_worker_leases"], {"now": now, "workers": ids}).fetchall()
         if ended:
             conn.execute(queries["release_locks_of_jobs"], {"jobs": [r["id"] for r in ended]})

@@ -934,7 +934,7 @@ class Worker:
             if final:
                 conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})
             else:
-                sent_at = self.clock.now()
+                sent_at = self._host_now()
                 beat = conn.execute(
                     queries["worker_upsert"],
                     {
@@ -949,7 +949,7 @@ class Worker:
                     },
                 ).fetchone()
                 if beat is not None:
-                    self._check_clock(sent_at, self.clock.now(), beat["db_now"])
+                    self._check_clock(sent_at, self._host_now(), beat["db_now"])
         # after the jobs' leases and the worker's row: a lock backend that hangs (Redis stopped answering:
         # each call waits for its socket timeout) delayed both, one call per job, until live workers' leases
         # ran out; and after one failure, no more calls this beat
@@ -961,6 +961,9 @@ class Worker:
             self._refresh_claim_filters(conn)
         if not final:
             self._look_for_solo_work(conn)
+
+    def _host_now(self) -> dt.datetime:
+        return self.clock.host_now() if isinstance(self.clock, ServerAlignedClock) else self.clock.now()
 
     def _check_clock(self, sent_at: dt.datetime, answered_at: dt.datetime, db_now: dt.datetime) -> None:
         """Leases are written and compared in the time of the worker that runs the statement (``locked_until``):
@@ -977,17 +980,20 @@ class Worker:
         trip = answered_at - sent_at
         if trip > dt.timedelta(seconds=1):
             return
-        # the readings are already corrected by the clock's offset: what is left, plus the offset, is the host's
-        skew = (sent_at + trip / 2 - db_now).total_seconds() + self.clock.offset
+        # the host's own readings (sent_at, answered_at): an aligned clock's would measure itself
+        skew = (sent_at + trip / 2 - db_now).total_seconds()
         self.clock_skew_seconds = skew
         self.clock.align(skew, trip.total_seconds())
         if abs(skew) > CLOCK_SKEW_WARN_SECONDS and time.monotonic() >= self._skew_said_until:
             self._skew_said_until = time.monotonic() + 600
+            aligned = self.clock.offset != 0.0
             self.log.warning(
-                "this host's clock is %.1f s %s the database server's: this worker keeps its leases in the"
-                " server's time, but what else runs here (producers' schedules, other workers before their"
-                " first beat) does not; set the clocks right (NTP)",
+                "this host's clock is %.1f s %s the database server's: %s; set the clocks right (NTP)",
                 abs(skew), "ahead of" if skew > 0 else "behind",
+                "this worker keeps its leases in the server's time, but what else runs here (handlers' own"
+                " timestamps, other programs) does not" if aligned else
+                "leases are written and compared in each worker's time, so a live job may look expired to one"
+                " worker and be run by two at once",
             )  # fmt: skip
 
     def _look_for_solo_work(self, conn: db.Conn) -> None:

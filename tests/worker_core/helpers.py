@@ -187,6 +187,8 @@ class FreezingProxy:
         #: its transaction's COMMIT, before the answer reaches the client (committed, and not known to be)
         self.lose_commit_after: bytes | None = None
         self.commits_lost = 0
+        #: seconds each chunk waits in each direction: a server that far away (2 x delay of round trip)
+        self.delay = 0.0
         self._sockets: list[Any] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -219,6 +221,8 @@ class FreezingProxy:
             while data := src.recv(65536):
                 while self.frozen.is_set():
                     time.sleep(0.05)
+                if self.delay:
+                    time.sleep(self.delay)
                 marker = self.lose_commit_after
                 if marker is not None and up and marker in data:
                     pair["marked"] = True

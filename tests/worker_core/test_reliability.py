@@ -13,8 +13,18 @@ from pathlib import Path
 
 import pytest
 
+import worker_core.supervisor
 import worker_core.worker
-from tests.worker_core.helpers import job, ledger, running_worker, scalar, spawn_python, state, wait_for
+from tests.worker_core.helpers import (
+    FreezingProxy,
+    job,
+    ledger,
+    running_worker,
+    scalar,
+    spawn_python,
+    state,
+    wait_for,
+)
 from worker_core import db
 from worker_core.clock import ServerAlignedClock, SystemClock
 from worker_core.coordination import single_flight
@@ -179,6 +189,66 @@ def test_a_worker_whose_clock_is_behind_writes_leases_others_find_live(dsn: str,
         assert left > 30
 
 
+def test_a_worker_far_from_its_database_is_aligned_too(dsn: str, conn: db.Conn) -> None:
+    # 260 ms of round trip (another region): a measure to within 0.13 s of a 120 s skew was thrown away, and
+    # the worker took live jobs from others as expired leases while its log said it kept the server's time
+    proxy = FreezingProxy.before(dsn)
+    proxy.delay = 0.13
+    live = enqueue(conn, "t.ok", {}).id
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'other:1:live', started_at = now(),"
+        " locked_until = clock_timestamp() + interval '60 seconds' WHERE id = %s",
+        (live,),
+    )
+    fresh = enqueue(conn, "t.ok", {}).id
+    conn.commit()
+    try:
+        with running_worker(proxy.dsn, clock=_SkewedClock(120), heartbeat_interval=0.5) as far:
+            wait_for(lambda: state(dsn, fresh) == "succeeded", 60, what="the fresh job")
+            time.sleep(1.5)
+            assert isinstance(far.clock, ServerAlignedClock) and abs(far.clock.offset - 120) < 1
+    finally:
+        proxy.close()
+    assert (state(dsn, live), job(dsn, live)["locked_by"]) == ("running", "other:1:live")
+
+
+def test_a_host_clock_stepped_right_does_not_move_an_aligned_worker(dsn: str, conn: db.Conn) -> None:
+    # aligned to a host two minutes ahead, then NTP steps the host's clock right: until the next measure the
+    # worker's time was two minutes behind the server's, and the beat wrote its running job's lease 60 s into
+    # the past, for any worker to take
+    host = _SkewedClock(120)
+    slow = enqueue(conn, "t.slow", {"seconds": 8}).id
+    conn.commit()
+    with running_worker(dsn, clock=host, heartbeat_interval=1.0) as w:
+        wait_for(lambda: state(dsn, slow) == "running", 10, what="the job to start")
+        assert isinstance(w.clock, ServerAlignedClock)
+        wait_for(lambda: abs(w.clock.offset - 120) < 2, 10, what="the alignment")  # type: ignore[attr-defined]
+        host.seconds = 0.0
+        left = "SELECT extract(epoch FROM locked_until - now()) FROM job_queue WHERE id = %s"
+        end = time.monotonic() + 2.5
+        while time.monotonic() < end:
+            assert scalar(dsn, left, (slow,)) > 0
+            time.sleep(0.1)
+        wait_for(lambda: w.clock.offset == 0.0, 5, what="the next measure")  # type: ignore[attr-defined]
+
+
+def test_ending_a_dead_workers_leases_ends_them_in_the_servers_time(
+    dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # on a host two minutes ahead, "ending" a dead worker's leases set them two minutes ahead: longer than
+    # the leases it meant to end
+    orphan = enqueue(conn, "t.ok", {}).id
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'other:1:dead', started_at = now(),"
+        " locked_until = clock_timestamp() + interval '60 seconds' WHERE id = %s",
+        (orphan,),
+    )
+    conn.commit()
+    monkeypatch.setattr(worker_core.supervisor, "SYSTEM_CLOCK", _SkewedClock(120))
+    worker_core.supervisor.end_dead_worker(dsn, worker_id="other:1:dead")
+    assert scalar(dsn, "SELECT extract(epoch FROM locked_until - now()) FROM job_queue WHERE id = %s", (orphan,)) <= 0
+
+
 def test_a_producer_whose_clock_is_off_schedules_in_the_servers_time(dsn: str, conn: db.Conn) -> None:
     # two minutes ahead, a producer delayed every job it enqueued by two minutes; two behind, it put them
     # ahead of older jobs of the same priority
@@ -208,10 +278,13 @@ def test_lock_leases_and_single_flight_results_are_in_the_servers_time(conn: db.
 
 def test_the_server_aligned_clock_moves_only_past_a_second() -> None:
     clock = ServerAlignedClock(_SkewedClock(0))
+    assert not clock.measured
     clock.align(0.6, 0.001)
-    assert clock.offset == 0.0  # NTP-kept hosts: nothing moves
-    clock.align(1.5, 0.5)
-    assert clock.offset == 0.0  # too long a round trip to trust
+    assert clock.offset == 0.0 and clock.measured  # NTP-kept hosts: nothing moves
+    clock.align(1.5, 1.2)
+    assert clock.offset == 0.0  # a statement that waited says nothing
+    clock.align(1.2, 0.5)
+    assert clock.offset == 0.0  # 1.2 s give or take 0.25: not surely a second
     clock.align(1.5, 0.001)
     assert clock.offset == 1.5 and abs((SystemClock().now() - clock.now()).total_seconds() - 1.5) < 0.5
     clock.align(0.6, 0.001)
