@@ -92,6 +92,11 @@ class Execution:
     started: float = 0.0
     #: outcome counters, added with its duration when it is done
     outcome: dict[str, float] = field(default_factory=dict)
+    #: its start's counters (started, queue latency), taken when its slot began it and counted once it is
+    #: known to run its handler (Slot._count_start): an idempotency hit runs none, and counts as no start
+    start_counts: dict[str, float] | None = None
+    #: its start was counted: its duration is counted when it is done (the average divides by the starts)
+    start_counted: bool = False
     #: monotonic time its handler returned
     ended: float = 0.0
     #: the group it runs in, if any
@@ -748,11 +753,17 @@ class Slot:
         """A job that runs alone may be the one that kills its process (a poison pill): what was counted so
         far, its lease expiration and this start among them, is written before it runs. Counted in memory
         until the next beat, they died with the process: a poison pill read one lease expiration whatever
-        its attempts, and no start. Best effort: a failure keeps the counts for the beat."""
+        its attempts, and no start. Best effort: a failure keeps the counts for the beat. Its start is counted
+        once its idempotency key is recorded (an idempotency hit is no start), in the job's transaction: then
+        the counts go through a connection of their own."""
         conn = self.conn
-        if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-            with contextlib.suppress(psycopg.Error):
+        with contextlib.suppress(psycopg.Error):
+            if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
                 self.w.metrics.flush(conn)
+            else:
+                name, timeout_ms = self.w.config.application_name, db.OWN_STATEMENT_TIMEOUT_MS
+                with db.connect(self.w.dsn, application_name=name, statement_timeout_ms=timeout_ms) as c:
+                    self.w.metrics.flush(c)
 
     def _reset_session(self, conn: JobConnection | AsyncJobConnection) -> None:
         """Between jobs: what the last handler left in the session goes (_RESET_SESSION). One round trip, only
@@ -928,13 +939,13 @@ class Slot:
         task = w.registry.get(job["job_type"])
         now = w.clock.now()
         latency_ms = max(0.0, (now - job["scheduled_at"]).total_seconds() * 1000)
-        started = {"started": 1, "latency_ms_sum": latency_ms}
+        ex.start_counts = {"started": 1, "latency_ms_sum": latency_ms}
         if task is None:  # the claim filters on registered types; only a changed registry gets here
-            w.metrics.add_many(job["queue"], job["job_type"], started)
+            self._count_start(ex)
             self.settle_failure(ex, PermanentError(f"no handler for job type {job['job_type']!r}"))
             return
         if isinstance(job["payload"], UndecodablePayload):
-            w.metrics.add_many(job["queue"], job["job_type"], started)
+            self._count_start(ex)
             self.settle_failure(ex, PermanentError(f"the payload cannot be decoded: {job['payload'].reason}"))
             return
         if job["lock_key"]:
@@ -958,10 +969,9 @@ class Slot:
                 self.release(ex, delay)
                 return  # not an attempt (it is given back): not counted as started
             ex.lock = (job["lock_key"], token)
-        w.metrics.add_many(job["queue"], job["job_type"], started)
-        if job["ran_solo"]:
-            self._flush_before_suspect()
-        t0 = ex.started = time.monotonic()
+        # its start is counted by _run_sync / _async_job once its idempotency key (if any) is found not
+        # processed yet: a hit runs no handler
+        ex.started = time.monotonic()
         try:
             if task.is_async:
                 self._run_async(ex, task)
@@ -1001,14 +1011,34 @@ class Slot:
                     self.release(ex, 0.0)
         finally:
             if not ex.abandoned:  # else the slot that replaces this one finishes the job
-                self._finish(ex, t0)
+                self._finish(ex, ex.started)
+
+    def _count_start(self, ex: Execution) -> None:
+        """Count the job's start (``started`` and its queue latency), once: when its handler is to run, or
+        it fails as an attempt without one. Not for an idempotency hit, which runs no handler, nor for a job
+        given back or cancelled before that (not an attempt)."""
+        counts, ex.start_counts = ex.start_counts, None
+        if counts is None:
+            return
+        ex.start_counted = True
+        job = ex.job
+        if ex.group is not None:
+            ex.group.count(job, counts)
+            return
+        self.w.metrics.add_many(job["queue"], job["job_type"], counts)
+        if job["ran_solo"]:
+            self._flush_before_suspect()
+            ex.started = time.monotonic()  # the flush is no handler time
 
     def _finish(self, ex: Execution, t0: float) -> None:
         job = ex.job
-        seconds = (ex.ended or time.monotonic()) - t0
-        if not ex.hit:  # a hit ran no handler: it says nothing of the handler's time
+        values = dict(ex.outcome)
+        # a job whose start was not counted (an idempotency hit, a job given back or cancelled before its
+        # handler) says nothing of the handler's time: its duration is neither observed nor summed
+        if ex.start_counted:
+            seconds = (ex.ended or time.monotonic()) - t0
             self.w.observe_handler(job["job_type"], seconds)
-        values = {"duration_ms_sum": seconds * 1000, **ex.outcome}
+            values["duration_ms_sum"] = seconds * 1000
         if ex.group is not None:
             ex.group.count(job, values)
         else:
@@ -1320,7 +1350,7 @@ class Slot:
         task = w.registry.get(job["job_type"])
         assert task is not None  # groupable
         latency_ms = max(0.0, (w.clock.now() - job["scheduled_at"]).total_seconds() * 1000)
-        group.count(job, {"started": 1, "latency_ms_sum": latency_ms})
+        ex.start_counts = {"started": 1, "latency_ms_sum": latency_ms}  # counted once it is known no hit
         savepoint = f"job{n}".encode()
         opened = False
 
@@ -1353,6 +1383,7 @@ class Slot:
                     ex.hit = True
                     group.effects.append(ex)
                     return
+            self._count_start(ex)
             # the handler's first use of ctx.tx opens its savepoint (and the slot's connection, if need be)
             ctx._on_tx = open_savepoint
             self.tx_ended = self.tx_committed = False
@@ -1481,6 +1512,7 @@ class Slot:
                 conn.commit()
                 self._succeeded(ex, idempotency_hit=True)
                 return
+        self._count_start(ex)
         ex.ctx.tx = conn
         ex.ctx._on_tx = lambda: self._begin_for_handler(conn)
         self.tx_ended = False
@@ -1713,6 +1745,7 @@ class Slot:
                     await aconn.commit()
                     self._succeeded(ex, idempotency_hit=True)
                     return
+            self._count_start(ex)
             ctx.tx = aconn
             ctx._on_tx = lambda: self._begin_for_handler(aconn)
             self.tx_ended = False

@@ -27,7 +27,7 @@ LABELS = ("queue", "job_type")
 
 #: MetricsBuffer counter name -> (metric name, help)
 COUNTER_METRICS = {
-    "started": ("qconsole_jobs_started_total", "Jobs whose handler started (attempts)."),
+    "started": ("qconsole_jobs_started_total", "Jobs whose handler started (attempts; an idempotency hit runs none)."),
     "succeeded": ("qconsole_jobs_succeeded_total", "Jobs settled succeeded (idempotency hits included)."),
     "failed": ("qconsole_jobs_failed_total", "Jobs failed by a permanent error."),
     "dead_lettered": ("qconsole_jobs_dead_lettered_total", "Jobs moved to dead letters."),
@@ -61,7 +61,7 @@ class WorkerExporter:
         )
         self.duration = Histogram(
             "qconsole_job_duration_seconds",
-            "Handler duration per attempt.",
+            "Handler duration per attempt (not of idempotency hits, which run none).",
             LABELS,
             buckets=DURATION_BUCKETS,
             registry=self.registry,

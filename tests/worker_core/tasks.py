@@ -163,6 +163,16 @@ def base_exc(ctx: JobContext, payload: dict[str, Any]) -> None:
         f(0)
 
 
+@worker_core.task("t.started_seen", retry=FAST, reason="tests need fast, bounded retries")
+def started_seen(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes to the ledger how many starts of its type the metrics table holds as it runs (committed by
+    others: its own transaction reads them at each statement)."""
+    row = ctx.tx.execute(
+        "SELECT coalesce(sum(started), 0) AS n FROM job_metrics_minute WHERE job_type = %s", (ctx.job_type,)
+    ).fetchone()
+    _ledger(ctx, {"item": str(row["n"])})
+
+
 @worker_core.task(
     "t.crash", retry=FAST, max_attempts=2, timeout=2, visibility_timeout=8, reason="tests need fast, bounded retries"
 )

@@ -142,6 +142,55 @@ def test_histograms_observe_each_job_of_a_group_not_the_groups_sum(dsn: str, con
     assert w[("qconsole_job_queue_latency_seconds_bucket", labels("t.ledger", le="5.0"))] == 12
 
 
+@pytest.mark.parametrize(
+    ("job_type", "overrides"),
+    [("t.ledger", {}), ("t.ledger", {"group_max": 1}), ("t.async_ok", {})],
+    ids=["grouped", "alone", "async"],
+)
+def test_an_idempotency_hit_is_neither_a_handler_start_nor_handler_time(
+    dsn: str, conn: db.Conn, job_type: str, overrides: dict[str, int]
+) -> None:
+    """A job settled by an idempotency hit runs no handler: it was counted as started, with a queue latency
+    and a handler duration of ~0 s, and the handler's average read a quarter of its 0.5 s."""
+    enqueue(conn, job_type, {"item": "a", "sleep": 0.5}, idempotency_key="k")
+    run_burst(dsn, concurrency=1, **overrides)  # the one run of the handler
+    sums = "SELECT sum(started) AS started, sum(latency_ms_sum) AS latency FROM job_metrics_minute"
+    before = conn.execute(sums).fetchone()
+    for _ in range(3):  # replays of an effect committed already
+        enqueue(conn, job_type, {"item": "a", "sleep": 0.5}, idempotency_key="k")
+    port = free_port()
+    run_burst(dsn, concurrency=1, metrics_port=port, **overrides)
+    w = scrape(port)
+    assert w[("qconsole_idempotency_hits_total", labels(job_type))] == 3
+    assert w[("qconsole_jobs_succeeded_total", labels(job_type))] == 3
+    assert w.get(("qconsole_jobs_started_total", labels(job_type)), 0) == 0
+    assert w.get(("qconsole_job_duration_seconds_count", labels(job_type)), 0) == 0
+    assert w.get(("qconsole_job_queue_latency_seconds_count", labels(job_type)), 0) == 0
+    assert conn.execute(sums).fetchone() == before and before["started"] == 1  # type: ignore[index]
+    t = next(t for t in stats.overview(conn).types if t.job_type == job_type)
+    assert (t.succeeded, t.idempotency_hits) == (4, 3)
+    assert t.duration_avg_seconds >= 0.45  # the handler's own 0.5 s, averaged over its one run
+
+
+@pytest.mark.parametrize("key", [None, "k"], ids=["no-key", "idempotency-key"])
+def test_a_job_run_alone_has_its_start_written_before_its_handler_runs(
+    dsn: str, conn: db.Conn, key: str | None
+) -> None:
+    """A suspected poison pill's start is flushed before its handler runs (the process may die in it). With
+    an idempotency key, the start is counted once the key is recorded, in the job's open transaction: the
+    slot's connection cannot flush it then."""
+    suspect = enqueue(conn, "t.started_seen", {}, idempotency_key=key).id
+    conn.execute(  # its worker died: the lease-expiry lane gives it another attempt, alone
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'gone',"
+        " locked_until = now() - interval '1 minute' WHERE id = %s",
+        (suspect,),
+    )
+    conn.commit()
+    run_burst(dsn, concurrency=1)
+    seen = conn.execute("SELECT item FROM ledger WHERE job_id = %s", (suspect,)).fetchall()
+    assert seen == [{"item": "1"}]
+
+
 @pytest.fixture
 def json_logs() -> Iterator[io.StringIO]:
     stream = io.StringIO()
