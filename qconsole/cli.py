@@ -175,16 +175,18 @@ def _warn_if_newer(conn: db.Conn) -> None:
 
 
 def _import_tasks(modules: Sequence[str]) -> None:
-    """The task modules, or exit 2 with why: one that does not import, or an @task the deployment's policy
-    refuses (an override without a reason)."""
-    from worker_core.policy import PolicyError
+    """The task modules, or exit 2 with why: one that does not import, or an @task the registry refuses (a
+    job type name it does not take, concurrency below 1, a timeout not under its visibility timeout, a type
+    registered twice) or the deployment's policy refuses (an override without a reason). The worker's
+    processes (``--processes``) and the console's embedded workers take that exit 2, before the worker
+    says it started, for a configuration refusal: not restarted."""
     from worker_core.registry import import_task_modules
 
     try:
         import_task_modules(modules)
     except ImportError as e:
         fail(f"cannot import task module: {e}", 2)
-    except PolicyError as e:
+    except ValueError as e:  # EnvelopeError and PolicyError among them
         fail(f"a task module's @task is refused: {e}", 2)
 
 

@@ -468,6 +468,59 @@ def test_a_task_module_whose_task_the_policy_refuses_is_bad_input(
         assert "@task is refused" in out and "without a reason" in out
 
 
+REFUSED_TASKS = {
+    "bad_type_tasks": ('@worker_core.task("Invoice.Generate")\ndef f(ctx, p): pass\n', "must match"),
+    "zero_concurrency_tasks": ('@worker_core.task("x.conc", concurrency=0)\ndef f(ctx, p): pass\n', "concurrency"),
+    "timeout_past_lease_tasks": (
+        '@worker_core.task("x.vis", timeout=100, visibility_timeout=50, reason="x")\ndef f(ctx, p): pass\n',
+        "visibility_timeout",
+    ),
+}
+
+
+@pytest.fixture
+def refused_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Task modules whose @task the registry refuses, importable by name (the modules are forgotten after)."""
+    for name, (source, _) in REFUSED_TASKS.items():
+        (tmp_path / f"{name}.py").write_text("import worker_core\n\n" + source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in REFUSED_TASKS:
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("module", sorted(REFUSED_TASKS))
+@pytest.mark.parametrize("command", ["enqueue", "worker"])
+def test_a_task_module_whose_task_the_registry_refuses_is_bad_input(
+    cli: Any, refused_tasks: Path, module: str, command: str
+) -> None:
+    # a bad type name, concurrency=0, a timeout past its lease: a traceback (ValueError, EnvelopeError) and exit 1
+    args = ("enqueue", "x.any", "--tasks", module) if command == "enqueue" else ("worker", "--tasks", module, "--burst")
+    result = cli(*args, code=2)
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "@task is refused" in result.output and REFUSED_TASKS[module][1] in result.output
+
+
+def test_a_refused_task_module_stops_a_worker_of_several_processes_before_any_starts(
+    dsn: str, refused_tasks: Path
+) -> None:
+    # --processes N and the console's embedded workers run `qconsole worker`: exit 2 before it says "started"
+    # is what they take for a configuration refusal (not restarted); a traceback's exit 1 was a crash, and the
+    # console restarted it for ever
+    env = {**os.environ, "QCONSOLE_DSN": dsn, "PYTHONPATH": f"{refused_tasks}{os.pathsep}{ROOT}"}
+    read, write = os.pipe()
+    try:
+        argv = [sys.executable, "-m", "qconsole", "worker", "--tasks", "zero_concurrency_tasks", "--processes", "2",
+                "--status-fd", str(write)]  # fmt: skip
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, pass_fds=(write,))
+    finally:
+        os.close(write)
+    with os.fdopen(read) as status:
+        said = status.read()
+    assert (proc.returncode, said) == (2, ""), proc.stderr
+    assert "@task is refused" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_log_level_that_does_not_exist_is_bad_input(cli: Any) -> None:
     assert "--log-level must be" in cli("worker", "--tasks", "tests.worker_core.tasks", "--log-level", "LOUD",
                                         code=2).output  # fmt: skip
