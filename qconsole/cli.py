@@ -499,7 +499,8 @@ def worker(
     poll_interval: Annotated[float, typer.Option("--poll-interval", min=0.05)] = 1.0,
     heartbeat: Annotated[float, typer.Option("--heartbeat", min=0.1, help="Heartbeat interval, seconds.")] = 2.0,
     metrics_port: Annotated[
-        int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics (process i: port + i).")
+        int | None,
+        typer.Option("--metrics-port", min=0, max=65535, help="Serve Prometheus metrics (process i: port + i)."),
     ] = None,
     retention_succeeded: Annotated[
         str, typer.Option("--retention-succeeded", help="Prune succeeded jobs older than this (e.g. 24h).")
@@ -539,6 +540,10 @@ def worker(
         fail("--log-format must be text or json", 2)
     if not isinstance(logging.getLevelName(log_level.upper()), int):
         fail(f"--log-level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, not {log_level!r}", 2)
+    if metrics_port and metrics_port + processes - 1 > 65535:  # process i serves port + i
+        last = metrics_port + processes - 1
+        fail(f"--metrics-port {metrics_port} with --processes {processes}: process {processes - 1} would serve"
+             f" port {last}, past 65535", 2)  # fmt: skip
     setup_logging(log_format, log_level)
     modules = tuple(m.strip() for m in tasks.split(",") if m.strip())
     _import_tasks(modules)
@@ -583,7 +588,9 @@ def worker(
 
 @app.command()
 def metrics(
-    port: Annotated[int, typer.Option("--port", help="Port of the fleet-wide Prometheus endpoint.")] = 9464,
+    port: Annotated[
+        int, typer.Option("--port", min=1, max=65535, help="Port of the fleet-wide Prometheus endpoint.")
+    ] = 9464,
     addr: Annotated[str, typer.Option("--addr")] = "0.0.0.0",
     dsn: DsnOpt = None,
 ) -> None:
@@ -596,8 +603,8 @@ def metrics(
         pass
     try:
         serve_fleet(db.resolve_dsn(_dsn(dsn)), port, addr)
-    except OSError as e:  # the port is taken, or the address is not this host's
-        fail(f"cannot serve metrics on {addr}:{port}: {e.strerror or e}", 2)
+    except (OSError, OverflowError) as e:  # the port is taken or out of range, or the address is not this host's
+        fail(f"cannot serve metrics on {addr}:{port}: {getattr(e, 'strerror', None) or e}", 2)
     typer.echo(f"serving fleet metrics on http://{addr}:{port}/metrics")
     threading.Event().wait()
 

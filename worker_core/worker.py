@@ -258,7 +258,8 @@ class Worker:
 
             try:
                 WorkerExporter(self.metrics).serve(self.config.metrics_port)
-            except OSError as e:  # taken, or not ours to bind: a configuration to fix, not a crash to retry
+            except (OSError, OverflowError) as e:
+                # taken, not ours to bind, or out of range (OverflowError): a configuration to fix, not a crash
                 self.log.error("cannot serve metrics on port %s: %s", self.config.metrics_port, e)
                 return EXIT_CONFIG
         self.log.info(

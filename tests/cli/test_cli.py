@@ -536,6 +536,27 @@ def test_fleet_metrics_on_a_port_taken_is_bad_input(cli: Any) -> None:
         assert "cannot serve metrics" in cli("metrics", "--port", port, "--addr", "127.0.0.1", code=2).output
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("metrics", "--port", "70000", "--addr", "127.0.0.1"), "--port"),
+        (("metrics", "--port", "0", "--addr", "127.0.0.1"), "--port"),
+        (("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--metrics-port", "70000"), "--metrics-port"),
+        (("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--metrics-port", "-1"), "--metrics-port"),
+        (
+            ("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--processes", "3", "--metrics-port", "65534"),
+            "process 2 would serve port 65536",
+        ),
+    ],
+    ids=["fleet-past-65535", "fleet-0", "worker-past-65535", "worker-negative", "last-process-past-65535"],
+)
+def test_a_metrics_port_out_of_range_is_bad_input(cli: Any, args: tuple[str, ...], message: str) -> None:
+    # an OverflowError from bind(): a traceback and exit 1 (the last of --processes N only, after the others
+    # had started)
+    result = cli(*args, code=2)
+    assert isinstance(result.exception, SystemExit) and message in result.output
+
+
 def test_migrate_says_so_when_the_embedded_server_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("QCONSOLE_DSN", "DATABASE_URL"):
         monkeypatch.delenv(name, raising=False)

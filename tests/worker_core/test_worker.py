@@ -1304,6 +1304,14 @@ def test_a_worker_whose_metrics_port_is_taken_exits_as_misconfigured_and_is_not_
         assert (supervised(sup, 60), sup.restarts, sup.refused) == ([2], 0, 1)
 
 
+def test_a_worker_whose_metrics_port_is_out_of_range_exits_as_misconfigured_and_is_not_restarted(dsn: str) -> None:
+    # bind() raises OverflowError, not OSError, for a port past 65535: the worker died with a traceback, and
+    # the supervisor took that for a crash to restart
+    assert Worker(config(dsn, task_modules=TASKS, metrics_port=70000)).run() == 2
+    sup = Supervisor(config(dsn, task_modules=TASKS, metrics_port=65535), processes=2)  # process 1: 65536
+    assert (supervised(sup, 60), sup.refused) == ([2], 1)
+
+
 def test_a_supervisor_whose_workers_die_before_their_first_heartbeat_gives_up(dsn: str) -> None:
     # a child that fails at start for good (a module it cannot import there) was restarted every ~3 s for
     # ever, and the supervisor exited 0 on SIGTERM: Restart=on-failure and alerting never saw it
