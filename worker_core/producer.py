@@ -213,6 +213,20 @@ def _in_key_order(envs: list[Envelope]) -> list[Envelope]:
     return sorted(envs, key=lambda e: (e.dedup_key is None, e.dedup_key or ""))
 
 
+def _malformed_item(item: Any) -> str | None:
+    """What is wrong with the shape of one of enqueue_many's items, if anything: its envelope is validated
+    only once its shape is right (an IndexError, an unhashable type or a ``None`` for fields raised from the
+    middle of the validation, not the EnvelopeError listing every job's problems)."""
+    if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+        shape = f"a {type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list)) else type(item).__name__
+        return f"must be (job_type, payload) or (job_type, payload, envelope_fields), not {shape}"
+    if not isinstance(item[0], str):
+        return f"job_type must be a string, not {type(item[0]).__name__}"
+    if len(item) == 3 and not isinstance(item[2], Mapping):
+        return f"envelope fields must be a mapping, not {type(item[2]).__name__}"
+    return None
+
+
 def enqueue_many(
     conn: AnyConn,
     jobs: Iterable[tuple[str, Mapping[str, Any]] | tuple[str, Mapping[str, Any], Mapping[str, Any]]],
@@ -227,10 +241,15 @@ def enqueue_many(
     held by a live job (or by an earlier job of the same batch) is reported with that job's id.
     """
     items = list(jobs)
-    registered = registered_defaults(conn, {item[0] for item in items}, registry)
+    malformed = {i: wrong for i, item in enumerate(items) if (wrong := _malformed_item(item)) is not None}
+    well_formed = [item for i, item in enumerate(items) if i not in malformed]
+    registered = registered_defaults(conn, {item[0] for item in well_formed}, registry)
     envs: list[Envelope] = []
     problems: list[str] = []
     for i, item in enumerate(items):
+        if i in malformed:
+            problems.append(f"job {i}: {malformed[i]}")
+            continue
         job_type, payload = item[0], item[1]
         fields: Mapping[str, Any] = item[2] if len(item) > 2 else {}
         try:

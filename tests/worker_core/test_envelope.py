@@ -235,6 +235,33 @@ def test_enqueue_many_validates_every_envelope_before_writing_anything(tx_conn: 
     assert count(tx_conn) == 0
 
 
+@pytest.mark.parametrize(
+    ("item", "problem"),
+    [
+        (("t.ok",), "a tuple of 1"),
+        (("t.ok", {}, {}, {}), "a tuple of 4"),
+        ("t.ok", "not str"),
+        (None, "not NoneType"),
+        ((["t.ok"], {}), "job_type must be a string, not list"),
+        ((7, {}), "job_type must be a string, not int"),
+        (("t.ok", {}, None), "envelope fields must be a mapping, not NoneType"),
+        (("t.ok", {}, [("queue", "q")]), "envelope fields must be a mapping, not list"),
+    ],
+    ids=["no-payload", "four-items", "a-string", "none", "unhashable-type", "int-type", "fields-none", "fields-list"],
+)
+def test_enqueue_many_refuses_a_malformed_item_with_the_others_problems(
+    tx_conn: db.Conn, item: Any, problem: str
+) -> None:
+    # an IndexError, a TypeError (unhashable type) or an AttributeError ('NoneType' has no 'get'), not the
+    # EnvelopeError that lists what is wrong with which job
+    batch = [("t.ok", {"n": 0}), item, ("t.ok", {"n": 2}, {"max_attempts": 0}), ["t.ok", {"n": 3}]]
+    with pytest.raises(EnvelopeError) as err:
+        enqueue_many(tx_conn, batch)
+    assert [p.split(":")[0] for p in err.value.problems] == ["job 1", "job 2"]
+    assert problem in err.value.problems[0] and "max_attempts" in err.value.problems[1]
+    assert count(tx_conn) == 0
+
+
 def test_enqueue_many_inserts_in_order_and_collapses_dedup_keys(tx_conn: db.Conn) -> None:
     held = enqueue(tx_conn, "t.ok", {"n": "held"}, dedup_key="held")
     results = enqueue_many(
