@@ -143,7 +143,9 @@ class DeadLettersScreen(ConsoleScreen):
         self.query_one("#dl-summary", Static).update(t)
 
     def current(self) -> DeadLetterGroup | None:
-        key = self.query_one(LiveTable).cursor_key
+        return self._group(self.query_one(LiveTable).cursor_key)
+
+    def _group(self, key: str | None) -> DeadLetterGroup | None:
         return next((g for g in self.groups if group_key(g) == key), None)
 
     @on(DataTable.RowHighlighted)
@@ -292,12 +294,23 @@ class DeadLettersScreen(ConsoleScreen):
         )
 
     @on(DataTable.RowSelected)
-    def _row_selected(self, _event: DataTable.RowSelected) -> None:
-        self.action_show_error()
+    def _row_selected(self, event: DataTable.RowSelected) -> None:
+        # the group enter was pressed on, as the event names it, not the cursor: a refresh landing before this
+        # handler runs may have moved it (the group requeued meanwhile, the cursor on the next one)
+        g = self._group(None if event.row_key.value is None else str(event.row_key.value))
+        if g is None:
+            self.notify("That group is gone (its jobs were requeued, killed or pruned meanwhile): nothing opened.",
+                        severity="warning", markup=False)  # fmt: skip
+            return
+        self._show_error(g)
 
     def action_show_error(self) -> None:
         g = self.current()
-        if g is None or not g.job_ids:
+        if g is not None:
+            self._show_error(g)
+
+    def _show_error(self, g: DeadLetterGroup) -> None:
+        if not g.job_ids:
             return
         from qconsole.screens.job_detail import JobDetailScreen
 

@@ -206,13 +206,19 @@ class JobsScreen(ConsoleScreen):
     # ---------------------------------------------------------------- opening
 
     @on(DataTable.RowSelected)
-    def _row_selected(self, _event: DataTable.RowSelected) -> None:
-        self.action_open()
+    def _row_selected(self, event: DataTable.RowSelected) -> None:
+        # the job enter was pressed on, as the event names it: a refresh landing before this handler runs
+        # moves the cursor (its row left the list: the cursor stays at its place, on the next job), and the
+        # cursor then named another job. Opened even if it left the list: its detail says what became of it
+        if event.row_key.value is not None:
+            self._open(str(event.row_key.value))
 
     def action_open(self) -> None:
         key = self.query_one(LiveTable).cursor_key
-        if key is None:
-            return
+        if key is not None:
+            self._open(key)
+
+    def _open(self, key: str) -> None:
         from qconsole.screens.job_detail import JobDetailScreen
 
         self.app.push_screen(JobDetailScreen(uuid.UUID(key)))

@@ -146,9 +146,11 @@ class OverviewScreen(ConsoleScreen):
         self.query_one("#ov-summary", Static).update(t)
 
     def selected(self) -> TypeStats | None:
-        if self.data is None:
+        return self._row(self.query_one(LiveTable).cursor_key)
+
+    def _row(self, key: str | None) -> TypeStats | None:
+        if self.data is None or key is None:
             return None
-        key = self.query_one(LiveTable).cursor_key
         for t in self.data.overview.types:
             if row_key(t) == key:
                 return t
@@ -194,8 +196,16 @@ class OverviewScreen(ConsoleScreen):
     # ---------------------------------------------------------------- actions
 
     @on(DataTable.RowSelected)
-    def _selected(self, _event: DataTable.RowSelected) -> None:
-        self.action_drill()
+    def _selected(self, event: DataTable.RowSelected) -> None:
+        # the row enter was pressed on, as the event names it, not the cursor: a refresh landing before this
+        # handler runs may have moved it (its row gone, the cursor stays at its place, on another row)
+        key = None if event.row_key.value is None else str(event.row_key.value)
+        t = self._row(key)
+        if t is None:
+            self.notify("That row is gone (the overview was refreshed meanwhile): nothing opened.",
+                        severity="warning", markup=False)  # fmt: skip
+            return
+        self.qapp.open_jobs(job_type=t.job_type, queue=t.queue)
 
     def action_drill(self) -> None:
         t = self.selected()

@@ -7,12 +7,14 @@ import uuid
 
 from textual.widgets import Log
 
+from qconsole.messages import DataFetched
 from qconsole.screens.confirm import ConfirmScreen
 from qconsole.screens.dead_letters import DeadLettersScreen, group_key
 from qconsole.screens.workers import WorkersScreen
+from qconsole.widgets.table import LiveTable
 from tests.qconsole.conftest import FakeBackend, FakeLauncher, fake_app
 from tests.qconsole.pilot import opened, run_async, settle, until
-from worker_core.models import DeadLetterGroup
+from worker_core.models import DeadLetterGroup, DeadLetterGroups
 
 SIZE = (80, 24)
 
@@ -120,7 +122,6 @@ def test_marks_that_vanish_on_refresh_never_hand_the_action_to_the_cursors_group
 def test_the_overviews_wait_column_counts_the_queued_jobs_and_rtry_the_retrying_ones() -> None:
     # "wait" was queued + retry_scheduled next to "rtry": 41 + 12 read as 53 + 12 (the CLI said queued 41)
     from qconsole.screens.overview import OverviewScreen
-    from qconsole.widgets.table import LiveTable
 
     app = fake_app()
 
@@ -131,5 +132,90 @@ def test_the_overviews_wait_column_counts_the_queued_jobs_and_rtry_the_retrying_
             assert isinstance(screen, OverviewScreen)
             row = screen.query_one(LiveTable).get_row("default\x1femail.send")
             assert (str(row[3]).strip(), str(row[5]).strip()) == ("41", "12")
+
+    run_async(scenario())
+
+
+# ------------------------------------------------------------------ enter while a refresh lands
+
+
+def test_enter_on_a_job_opens_that_job_even_if_a_refresh_moves_the_cursor_before_it_is_handled() -> None:
+    # the refresh's result, posted by the read thread, reached the screen between enter and its handling: the
+    # job left the list (killed by another operator), the cursor stayed at its place, on the next job, and
+    # the handler opened that one, which the operator never chose
+    from qconsole.screens.job_detail import JobDetailScreen
+    from qconsole.screens.jobs import JobsScreen
+
+    app = fake_app()
+    seen: dict[str, uuid.UUID] = {}
+
+    async def scenario() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "j", JobsScreen)
+            table = screen.query_one(LiveTable)
+            await pilot.press("down", "down")
+            assert table.cursor_key is not None
+            seen["pressed_on"] = target = uuid.UUID(table.cursor_key)
+            table.action_select_cursor()  # what enter does: posts RowSelected naming the row
+            screen.post_message(DataFetched((screen.filter, [j for j in screen.jobs if j.id != target])))
+            await settle(pilot)
+            assert table.cursor_key is not None and uuid.UUID(table.cursor_key) != target  # the cursor moved
+            detail = app.screen
+            assert isinstance(detail, JobDetailScreen)
+            seen["opened"] = detail.job_id
+
+    run_async(scenario())
+    assert seen["opened"] == seen["pressed_on"]
+
+
+def test_enter_on_an_overview_row_gone_in_a_refresh_before_it_is_handled_opens_nothing_and_says_so() -> None:
+    import dataclasses
+
+    from qconsole.backend import OverviewData
+    from qconsole.screens.jobs import JobsScreen
+    from qconsole.screens.overview import OverviewScreen, row_key
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen) and screen.data is not None
+            table = screen.query_one(LiveTable)
+            await pilot.press("down")
+            target = table.cursor_key
+            data = screen.data
+            left = [t for t in data.overview.types if row_key(t) != target]
+            table.action_select_cursor()
+            screen.post_message(DataFetched(OverviewData(dataclasses.replace(data.overview, types=left), data.lag)))
+            await settle(pilot)
+            assert table.cursor_key not in (None, target)  # on another row, which was not chosen
+            assert app.screen is screen and app.current_mode == "overview"
+            assert not any(isinstance(s, JobsScreen) for s in app.screen_stack)
+            assert "That row is gone" in "\n".join(n.message for n in app._notifications)
+
+    run_async(scenario())
+
+
+def test_enter_on_a_dead_letter_group_gone_in_a_refresh_before_it_is_handled_opens_nothing_and_says_so() -> None:
+    from qconsole.screens.job_detail import JobDetailScreen
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "d", DeadLettersScreen)
+            table = screen.query_one(LiveTable)
+            target = table.cursor_key
+            left = DeadLetterGroups([g for g in screen.groups if group_key(g) != target])
+            table.action_select_cursor()
+            screen.post_message(DataFetched(left))  # its jobs were requeued from the CLI meanwhile
+            await settle(pilot)
+            assert table.cursor_key not in (None, target)
+            assert app.screen is screen and not isinstance(app.screen, JobDetailScreen)
+            assert "That group is gone" in "\n".join(n.message for n in app._notifications)
 
     run_async(scenario())
