@@ -126,8 +126,10 @@ class QConsoleApp(App[int]):
 
     def on_unmount(self) -> None:
         # however the console ends: an action still running would hold its exit up (asyncio.run joins the
-        # thread it runs in) and then commit, and one whose thread starts now would run after the quit
+        # thread it runs in) and then commit, and one whose thread starts now would run after the quit; a read
+        # waiting on a server that stopped answering held it up too, until its deadline (10 s)
         self.backend.abort_actions()
+        self.backend.abort_reads()
         if self.launcher is not None:
             self.launcher.set_on_exit(None)
             self.launcher.stop_all()

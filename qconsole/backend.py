@@ -10,7 +10,8 @@ its own: it may write a whole group of jobs, which a read's bound would cancel, 
 and so do other actions (a pause is not held up by a long requeue; the database serialises those that touch
 the same rows).
 Quitting aborts the actions (:meth:`DatabaseBackend.abort_actions`): those running fail and are rolled back,
-and none starts after it.
+and none starts after it; and the reads (:meth:`DatabaseBackend.abort_reads`): one waiting on a server that
+stopped answering fails at once, and none starts after it.
 """
 
 from __future__ import annotations
@@ -124,11 +125,19 @@ class ConsoleBackend(Protocol):
         """The console is quitting: the actions running fail (rolled back), and none starts after it."""
         ...
 
+    def abort_reads(self) -> None:
+        """The console is quitting: a read waiting on the server fails at once, and none starts after it."""
+        ...
+
     def close(self) -> None: ...
 
 
 class ActionsAborted(RuntimeError):
     """An action asked for while (or after) the console quit: not run."""
+
+
+class ReadsAborted(RuntimeError):
+    """A read asked for while (or after) the console quit: not run, or woken from its wait."""
 
 
 def is_outage(exc: BaseException) -> bool:
@@ -183,6 +192,12 @@ class DatabaseBackend:
         self._action_guard = threading.Lock()  # abort_actions shuts down no connection _act has closed
         #: the console quits (abort_actions, close): no action starts any more
         self._actions_aborted = False
+        #: the connection a read waits on now (abort_reads wakes it), under its own lock: abort_reads shuts down
+        #: no connection _call has closed (its descriptor may be another socket's by then)
+        self._reading: db.Conn | None = None
+        self._read_guard = threading.Lock()
+        #: the console quits (abort_reads): no read starts any more
+        self._reads_aborted = False
 
     @property
     def description(self) -> str:
@@ -212,7 +227,14 @@ class DatabaseBackend:
 
     def _call(self, fn: Callable[[db.Conn], T]) -> T:
         with self._lock:
+            self._refuse_if_reads_aborted()
             conn = self._connection()
+            with self._read_guard:
+                aborted = self._reads_aborted
+                if not aborted:
+                    self._reading = conn
+            if aborted:  # the console quit while this one connected
+                self._refuse_if_reads_aborted()
             # a server that stopped answering: the screen says the database is unreachable (db.Deadline)
             deadline = db.Deadline(conn, self.call_deadline_s)
             try:
@@ -221,12 +243,35 @@ class DatabaseBackend:
                     return fn(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
                 # a dead server, a terminated session or a timeout: start from a new connection next time
+                self._done_reading()  # before the connection is closed
                 self._drop()
+                if self._reads_aborted:
+                    raise ReadsAborted("the console quit: the read was abandoned") from e
                 if deadline.expired:
                     raise psycopg.OperationalError(
                         f"the server did not answer within {self.call_deadline_s:g}s: connection dropped"
                     ) from e
                 raise
+            finally:
+                self._done_reading()
+
+    def _done_reading(self) -> None:
+        with self._read_guard:
+            self._reading = None
+
+    def _refuse_if_reads_aborted(self) -> None:
+        if self._reads_aborted:
+            raise ReadsAborted("the console quit: the read was not run")
+
+    def abort_reads(self) -> None:
+        """The console quits: no read starts any more, and the one waiting on the server (one that stopped
+        answering: up to the call deadline) has its connection's socket shut down, which fails it at once.
+        Without it the console's exit waited for that read (asyncio.run joins the thread it runs in): ``q`` took
+        up to 10 s on a hung server. Returns at once; a read that is connecting ends within its connect timeout."""
+        with self._read_guard:
+            self._reads_aborted = True
+            if self._reading is not None:
+                db.shut_down(self._reading)
 
     def _act(self, fn: Callable[[db.Conn], T]) -> T:
         """Run an action (or the read before one) on a connection opened for it, under the action bound: a

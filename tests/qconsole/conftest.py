@@ -295,6 +295,9 @@ class FakeBackend:
     def abort_actions(self) -> None:
         self.calls.append(("abort_actions", None))
 
+    def abort_reads(self) -> None:
+        self.calls.append(("abort_reads", None))
+
     def close(self) -> None:
         pass
 

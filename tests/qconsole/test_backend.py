@@ -392,6 +392,47 @@ def test_closing_the_backend_does_not_wait_for_a_read_the_server_never_answers(d
     assert outcome == ["OperationalError"]
 
 
+def test_a_read_waiting_on_a_hung_server_is_woken_at_once_when_the_console_quits_and_none_starts_after(
+    dsn: str,
+) -> None:
+    # the console unmounted, but a read waited on the server until its deadline (10 s), and asyncio.run, which
+    # joins the thread it runs in, held the exit up that long: abort_reads fails it at once, returning at once
+    from qconsole.backend import ReadsAborted
+    from tests.worker_core.helpers import FreezingProxy
+
+    proxy = FreezingProxy.before(dsn)
+    backend = DatabaseBackend(proxy.dsn)  # the defaults: call deadline 10 s
+    failures: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            backend.overview()
+        except Exception as e:
+            failures.append(e)
+
+    try:
+        backend.overview()
+        proxy.frozen.set()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        time.sleep(0.5)  # the read waits on the server
+        assert reader.is_alive()
+        t0 = time.monotonic()
+        backend.abort_reads()
+        assert time.monotonic() - t0 < 0.5  # on the UI thread: it waits for nothing
+        reader.join(3)
+        assert not reader.is_alive(), "the read still waited on the hung server"
+        assert isinstance(failures[0], ReadsAborted)
+        with pytest.raises(ReadsAborted):
+            backend.workers()  # none starts any more
+        proxy.frozen.clear()
+        backend.close()  # after it, as run_console does once the app returned: it waits for nothing either
+        backend.close()  # nor twice
+    finally:
+        proxy.frozen.clear()
+        proxy.close()
+
+
 @pytest.mark.parametrize(
     "payload",
     ["'{\"n\": ' || repeat('9', 5000) || '}'", "'{\"a\": ' || repeat('[', 3000) || repeat(']', 3000) || '}'"],

@@ -220,6 +220,36 @@ def test_quitting_while_actions_wait_exits_and_rolls_them_back(dsn: str, conn: d
     assert stats.audit_log(conn) == []
 
 
+def test_q_exits_at_once_while_a_read_waits_on_a_server_that_stopped_answering(dsn: str) -> None:
+    # a hung host (TCP still up): q blanked the screen, but the terminal came back only once the read in
+    # flight reached its deadline, 10 s later (asyncio.run joins the read's thread before it returns)
+    from tests.worker_core.helpers import FreezingProxy
+
+    proxy = FreezingProxy.before(dsn)
+    backend = DatabaseBackend(proxy.dsn)  # the defaults, as run_console builds it: call deadline 10 s
+    app = console(dsn, backend=backend)
+    pressed: list[float] = []
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            proxy.frozen.set()  # the server stops answering
+            await pilot.press("ctrl+r")  # a read now waits on it
+            await pilot.pause(0.5)
+            pressed.append(time.monotonic())
+            await pilot.press("q")
+
+    try:
+        exited = run_as_the_console(scenario(), within=30)
+        took = time.monotonic() - pressed[0]
+        backend.close()  # as run_console does once the app returned
+    finally:
+        proxy.frozen.clear()
+        proxy.close()
+    assert exited
+    assert took < 3, f"q took {took:.1f}s to give the terminal back"
+
+
 @pytest.mark.parametrize("ends", ["killed", "failed"])
 def test_an_action_whose_screen_was_closed_meanwhile_still_says_its_outcome_and_clears_the_title(
     dsn: str, conn: db.Conn, make_job: Any, ends: str
@@ -594,10 +624,13 @@ def test_read_only_refuses_every_action(dsn: str, conn: db.Conn, make_job: Any) 
     run_async(scenario())
     assert states(conn, dead) == [JobState.DEAD_LETTERED]
     assert stats.audit_log(conn) == []
-    # and the server side refuses too: the console's transactions are read-only
-    with pytest.raises(ReadOnlyError):
-        backend._call(lambda c: ops.requeue(c, dead))
     backend.close()
+    # and the server side refuses too: the console's transactions are read-only (on a backend like the one the
+    # console had: that one reads no more once its console quit)
+    again = DatabaseBackend(dsn, read_only=True)
+    with pytest.raises(ReadOnlyError):
+        again._call(lambda c: ops.requeue(c, dead))
+    again.close()
 
 
 # ------------------------------------------------------------------------------------------------ outage
