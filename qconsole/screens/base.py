@@ -2,7 +2,8 @@
 
 A screen implements ``fetch(backend)`` (runs in a thread worker, may block) and ``show(data)`` (runs on
 the UI thread). The next read is scheduled with ``set_timer`` only when the previous one finished, so a
-slow database never stacks reads; a failed read shows the outage banner and is retried the same way.
+slow database never stacks reads; a failed read shows the banner (the outage's, or, for an error the database
+answered with, one that says the data shown is stale and how old it is) and is retried the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class ConsoleScreen(Screen[None]):
 
     TITLE_TEXT: ClassVar[str] = ""
     HELP: ClassVar[str] = ""
+    #: while its reads fail with an error the database answered with, the banner says the data shown is
+    #: stale (a screen that shows the error in place of its data says it there instead)
+    MARKS_STALE_DATA: ClassVar[bool] = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -104,10 +108,17 @@ class ConsoleScreen(Screen[None]):
     #: is no age of what this one shows)
     data_at: dt.datetime | None = None
 
+    #: the error of this screen's last read, if the database answered it with one (a statement timeout behind a
+    #: table lock, say): the banner says the data shown is stale until a read succeeds
+    read_error: str | None = None
+
     @on(DataFetched)
     def _fetched(self, message: DataFetched) -> None:
         message.stop()
         self._last_failure = None
+        if self.read_error is not None:
+            self.read_error = None
+            self.query_one(OutageBanner).repaint()
         self.data_at = self.qapp.clock.now()
         self.qapp.note_ok()
         self.query_one(TitleBar).repaint()  # the age it gives is this screen's (note_ok repaints on change)
@@ -119,7 +130,12 @@ class ConsoleScreen(Screen[None]):
         if message.outage:
             self.qapp.note_failed(message.error)
             return
+        # the figures on screen are the last ones read: a toast said it for 8 s, then they looked live for as
+        # long as the reads failed (a lock held for minutes): the banner says it until a read succeeds
+        if self.MARKS_STALE_DATA:
+            self.read_error = message.error
         self.qapp.db_error = None  # it answered: reachable
+        self.query_one(OutageBanner).repaint()
         if message.error != self._last_failure:
             self._last_failure = message.error
             self.show_failure(message.error)

@@ -52,6 +52,8 @@ def _section(title: str) -> Text:
 class JobDetailScreen(ConsoleScreen):
     TITLE_TEXT = "Job"
     HELP = "One job: envelope, payload, every attempt's error, lease and lock."
+    #: a failed read's error replaces the job on screen (show_failure): nothing stale is left to mark
+    MARKS_STALE_DATA = False
 
     BINDINGS = [
         Binding("escape", "back", "Back"),

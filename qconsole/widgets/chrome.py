@@ -1,4 +1,4 @@
-"""The lines every screen shares: the title bar and the outage banner."""
+"""The lines every screen shares: the title bar and the outage banner (which also says stale data)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,9 @@ def _data_at(widget: Static) -> dt.datetime | None:
 
 
 class OutageBanner(Static):
-    """Shown while reads fail: what failed, and how old the data on screen is. Hidden otherwise."""
+    """Shown while reads fail: what failed, and how old the data on screen is. Hidden otherwise. Red while the
+    database is unreachable; in the warning color while it answers the screen's reads with an error (a
+    statement timeout behind a table lock): the figures shown are the last ones read either way."""
 
     DEFAULT_CSS = """
     OutageBanner {
@@ -88,6 +90,10 @@ class OutageBanner(Static):
     OutageBanner.-shown {
         display: block;
     }
+    OutageBanner.-stale {
+        display: block;
+        background: $warning;
+    }
     """
 
     @property
@@ -98,21 +104,33 @@ class OutageBanner(Static):
         self.watch(self.app, "db_error", self._paint, init=True)
         self.set_interval(1.0, self._tick)
 
+    def repaint(self) -> None:
+        self._paint()
+
     def _tick(self) -> None:
-        if self.qapp.db_error is not None:
+        if self.qapp.db_error is not None or self._read_error() is not None:
             self._paint()
+
+    def _read_error(self) -> str | None:
+        """The error of the last read of the banner's screen, if the database answered it with one
+        (ConsoleScreen.read_error)."""
+        error = getattr(self.screen, "read_error", None)
+        return error if isinstance(error, str) else None
 
     def _paint(self, _value: object = None) -> None:
         app = self.qapp
-        error = app.db_error
-        self.set_class(error is not None, "-shown")
+        outage = app.db_error
+        stale = None if outage is not None else self._read_error()
+        self.set_class(outage is not None, "-shown")
+        self.set_class(stale is not None, "-stale")
+        error = outage if outage is not None else stale
         if error is None:
             return
         now = app.clock.now()
         at = _data_at(self)
         age = "no data on this screen yet" if at is None else f"data from {fmt.hms(at)} UTC ({fmt.ago(at, now)})"
         t = Text()
-        t.append("⚠ DATABASE UNREACHABLE", style="bold")
+        t.append("⚠ DATABASE UNREACHABLE" if outage is not None else "⚠ READS FAILING", style="bold")
         t.append(f" · {age} · retrying\n")
         t.append(fmt.clip(error, 200), style="not bold")
         self.update(t)

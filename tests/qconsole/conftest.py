@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg.errors import QueryCanceled
 
 from qconsole.app import QConsoleApp, make_app
 from qconsole.backend import ChartData, ContractsData, OverviewData
@@ -93,6 +94,7 @@ class FakeBackend:
     def __init__(self, read_only: bool = False) -> None:
         self.read_only = read_only
         self.fail_reads = False
+        self.refuse_reads = False
         self.calls: list[tuple[str, Any]] = []
         self.jobs = [
             make_fake_job(
@@ -126,6 +128,8 @@ class FakeBackend:
         self.calls.append((name, arg))
         if self.fail_reads:
             raise ConnectionError("connection to server at 10.0.0.5, port 5432 failed: Connection refused")
+        if self.refuse_reads:  # the server answers with an error: reachable, the data shown stale
+            raise QueryCanceled("canceling statement due to statement timeout")
 
     def overview(self) -> OverviewData:
         self._read("overview")

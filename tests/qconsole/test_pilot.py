@@ -741,6 +741,48 @@ def test_a_jobs_read_that_fails_says_so_on_the_status_line_until_one_succeeds(ds
     backend.close()
 
 
+def test_the_overview_says_its_figures_are_stale_while_a_table_lock_times_its_reads_out(
+    dsn: str, conn: db.Conn
+) -> None:
+    # LOCK TABLE job_queue (a migration's ALTER TABLE, a pg_dump waiting): each read timed out, a toast said
+    # it once for 8 s, then the overview went on showing the figures read before the lock as if they were live
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, scheduled_at)"
+        " SELECT 't.ok', 'default', '{}', now() - interval '5 minutes' FROM generate_series(1, 3)"
+    )
+    conn.commit()
+    backend = DatabaseBackend(dsn, statement_timeout_ms=300)
+    app = console(dsn, backend=backend, refresh_seconds=0.2)
+    locker = db.connect(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            await until(pilot, lambda: screen.selected() is not None, what="rows")
+            banner = screen.query_one(OutageBanner)
+            assert not banner.display
+            locker.execute("LOCK TABLE job_queue IN ACCESS EXCLUSIVE MODE")
+            await until(pilot, lambda: banner.has_class("-stale"), what="the stale mark")
+            read_at = screen.data_at  # the last read before the lock
+            assert read_at is not None
+            await pilot.pause(1.5)  # read after read fails: the mark stays, the data's time with it
+            said = str(banner.render())
+            assert banner.display and "READS FAILING" in said and "statement timeout" in said, said
+            assert f"data from {read_at:%H:%M:%S} UTC" in said and screen.data_at == read_at
+            assert app.db_error is None  # the database answered: no outage
+            locker.rollback()
+            await until(pilot, lambda: not banner.display, what="the mark cleared by a read that succeeds")
+            assert screen.data_at is not None and screen.data_at > read_at
+
+    try:
+        run_async(scenario())
+    finally:
+        locker.rollback()
+        locker.close()
+        backend.close()
+
+
 def test_reads_never_overlap(dsn: str) -> None:
     """A slow database must not stack reads: the next one starts only when the last one finished."""
     backend = DatabaseBackend(dsn)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import pytest
 from textual.widgets import Log
 
 from qconsole.messages import DataFetched
@@ -217,5 +218,51 @@ def test_enter_on_a_dead_letter_group_gone_in_a_refresh_before_it_is_handled_ope
             assert table.cursor_key not in (None, target)
             assert app.screen is screen and not isinstance(app.screen, JobDetailScreen)
             assert "That group is gone" in "\n".join(n.message for n in app._notifications)
+
+    run_async(scenario())
+
+
+# ------------------------------------------------------------------ reads the database answers with an error
+
+
+@pytest.mark.parametrize(
+    ("key", "kind"),
+    [("o", "OverviewScreen"), ("d", "DeadLettersScreen"), ("c", "ChartsScreen"), ("w", "WorkersScreen"),
+     ("a", "AuditScreen"), ("t", "ContractsScreen"), ("j", "JobsScreen")],
+)  # fmt: skip
+def test_a_screen_whose_reads_the_database_refuses_says_its_data_is_stale_until_a_read_succeeds(
+    key: str, kind: str
+) -> None:
+    # a statement timeout (behind a LOCK TABLE, say) was a toast for 8 s, then the old figures looked live
+    from qconsole.widgets.chrome import OutageBanner
+
+    backend = FakeBackend()
+    app = fake_app(backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press(key)
+            await settle(pilot)
+            screen = app.screen
+            assert type(screen).__name__ == kind
+            banner = screen.query_one(OutageBanner)
+            assert not banner.display
+            read_at = screen.data_at  # type: ignore[attr-defined]
+            backend.refuse_reads = True
+            app.clock.advance(42)  # type: ignore[attr-defined]
+            await pilot.press("ctrl+r")
+            await settle(pilot)
+            app.clock.advance(600)  # type: ignore[attr-defined]  # long past the toast: the mark stays
+            await pilot.pause(1.2)  # the banner's tick: the age grows
+            said = str(banner.render())
+            assert banner.display and banner.has_class("-stale") and not banner.has_class("-shown")
+            assert "READS FAILING" in said and "statement timeout" in said
+            assert f"data from {read_at:%H:%M:%S} UTC (10m42s ago)" in said, said
+            assert app.db_error is None  # not an outage: the database answered
+            backend.refuse_reads = False
+            await pilot.press("ctrl+r")
+            await settle(pilot)
+            assert not banner.display and not banner.has_class("-stale")
 
     run_async(scenario())

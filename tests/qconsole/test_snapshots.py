@@ -121,6 +121,23 @@ def test_outage_banner(snap_compare: Any, size: tuple[int, int]) -> None:
 
 
 @sized
+def test_stale_data_banner(snap_compare: Any, size: tuple[int, int]) -> None:
+    # the database answers the reads with an error (a statement timeout behind a table lock): reachable, and the
+    # figures shown are the last ones read
+    backend = FakeBackend()
+    app = fake_app(backend)
+
+    async def run(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        backend.refuse_reads = True
+        app.clock.advance(42)  # type: ignore[attr-defined]
+        await pilot.press("ctrl+r")
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=size, run_before=run)
+
+
+@sized
 def test_read_only_refusal(snap_compare: Any, size: tuple[int, int]) -> None:
     app = fake_app(FakeBackend(read_only=True))
     assert snap_compare(app, terminal_size=size, run_before=keys("d", "r"))
