@@ -21,7 +21,7 @@ from textual.reactive import reactive
 from qconsole.backend import ConsoleBackend, DatabaseBackend
 from qconsole.commands import ConsoleCommands
 from qconsole.embedded_workers import EmbeddedWorker, EmbeddedWorkers, WorkerLauncher
-from qconsole.messages import ActionDone, ActionEnded, ActionFailed, EmbeddedWorkerExited
+from qconsole.messages import ActionDone, ActionEnded, ActionFailed, ActionUnsure, EmbeddedWorkerExited
 from qconsole.screens.audit import AuditScreen
 from qconsole.screens.base import ConsoleScreen
 from qconsole.screens.charts import ChartsScreen
@@ -176,11 +176,32 @@ class QConsoleApp(App[int]):
         if isinstance(screen, ConsoleScreen) and screen.is_attached:  # not closed meanwhile
             screen.acted(message.outcome)
 
-    def say_outcome(self, outcome: ActionDone | ActionFailed) -> None:
+    def say_outcome(self, outcome: ActionDone | ActionFailed | ActionUnsure) -> None:
         """An action's outcome, on whatever screen is shown now."""
         if isinstance(outcome, ActionDone):
             audit = f" (audit #{outcome.result.audit_id})" if outcome.result.audit_id is not None else ""
             self.notify(outcome.summary + audit, title=outcome.result.action, markup=False)
+        elif isinstance(outcome, ActionUnsure):
+            # its connection died once it was sent: "failed, nothing changed" was said of a requeue that had
+            # committed (the answer to its COMMIT lost), and the operator did it again
+            if outcome.audit_id is not None:
+                jobs = f", {outcome.changed} job(s)" if outcome.action in ("requeue", "kill") else ""
+                self.notify(
+                    f"{outcome.action} done (audit #{outcome.audit_id}{jobs}): its answer was lost with the"
+                    f" connection ({outcome.error}).",
+                    title=outcome.action,
+                    severity="warning",
+                    timeout=10,
+                    markup=False,
+                )
+            else:
+                self.notify(
+                    f"{outcome.action}: outcome unknown (the connection was lost): check the audit log (a) before"
+                    f" acting again. {outcome.error}",
+                    severity="error",
+                    timeout=30,
+                    markup=False,
+                )
         else:
             self.notify(
                 f"{outcome.action} failed, nothing changed: {outcome.error}", severity="error", timeout=10, markup=False

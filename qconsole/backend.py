@@ -9,6 +9,9 @@ An action (and the fetch of a group's jobs before it) runs on a connection opene
 its own: it may write a whole group of jobs, which a read's bound would cancel, and the reads go on meanwhile,
 and so do other actions (a pause is not held up by a long requeue; the database serialises those that touch
 the same rows).
+An action whose connection died after it was sent may have committed (the answer to its COMMIT lost): the
+console then tells which on a new connection (:class:`ActionLost`), by the token its audit entry carries, once
+its session has ended (an advisory lock it held until then).
 Quitting aborts the actions (:meth:`DatabaseBackend.abort_actions`): those running fail and are rolled back,
 and none starts after it; and the reads (:meth:`DatabaseBackend.abort_reads`): one waiting on a server that
 stopped answering fails at once, and none starts after it.
@@ -17,6 +20,7 @@ stopped answering fails at once, and none starts after it.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
 import time
 import uuid
@@ -53,6 +57,14 @@ CALL_DEADLINE_MIN_S = 10.0
 CLIENT_CHECK_INTERVAL_MS = 1000
 #: how often the console measures its host's clock against the server's (DatabaseBackend._align_clock)
 CLOCK_ALIGN_EVERY_S = 60.0
+#: an action's session holds the advisory lock (this class, its token's key: the two-key form, which no other
+#: lock of the queue's uses) until it ends: while it lives, its transaction may still commit
+ACTION_LOCK_CLASS = 0x71634143
+#: how long, after an action's connection was lost, the console waits for its session to end to tell whether it
+#: committed (DatabaseBackend.lost_settle_s)
+LOST_SETTLE_S = 5.0
+#: the newest audit entries searched for a lost action's token
+TOKEN_LOOKUP_ROWS = 10_000
 #: the states the dead-letters screen groups: what an operator requeues (dead, failed) or kills (retrying)
 DEAD_LETTER_STATES = ("dead_lettered", "failed", "retry_scheduled")
 
@@ -136,6 +148,29 @@ class ActionsAborted(RuntimeError):
     """An action asked for while (or after) the console quit: not run."""
 
 
+class ActionLost(Exception):
+    """An action failed with an outage (its connection died): did it change anything? ``committed`` True: yes
+    (``audit_id`` its audit entry, ``changed`` the jobs it names); False: no (it never reached the server, or
+    its session ended without committing); None: it could not be told (the database unreachable, or its
+    session still alive after DatabaseBackend.lost_settle_s). ``cause`` is the error it failed with."""
+
+    def __init__(
+        self,
+        cause: BaseException,
+        committed: bool | None,
+        audit_id: int | None = None,
+        changed: int = 0,
+        note: str = "",
+    ) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.committed = committed
+        self.audit_id = audit_id
+        self.changed = changed
+        #: said after the error (why it is known to have changed nothing)
+        self.note = note
+
+
 class ReadsAborted(RuntimeError):
     """A read asked for while (or after) the console quit: not run, or woken from its wait."""
 
@@ -181,6 +216,8 @@ class DatabaseBackend:
         #: answer after this long is ended here (see _unstick)
         self.call_deadline_s = call_deadline_s or max(CALL_DEADLINE_MIN_S, 2 * statement_timeout_ms / 1000 + 2)
         self.action_timeout_ms = action_timeout_ms
+        #: an action whose connection was lost: how long to wait for its session to end (ActionLost)
+        self.lost_settle_s = LOST_SETTLE_S
         #: the same for an action, under its own bound
         self.action_deadline_s = max(CALL_DEADLINE_MIN_S, 2 * action_timeout_ms / 1000 + 2)
         self.actor = ops.Actor.current()
@@ -308,6 +345,71 @@ class DatabaseBackend:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
 
+    def _act_told(self, fn: Callable[[db.Conn, str], ActionResult]) -> ActionResult:
+        """An operator action (``fn`` writes the token it is given into its audit entry) whose outcome is told
+        even when its connection dies: the answer to its COMMIT lost, it was said "failed, nothing changed" while
+        it had committed. An outage raises :class:`ActionLost`, which says whether it committed."""
+        token = secrets.token_hex(8)
+        key = int.from_bytes(bytes.fromhex(token)[:4], "big", signed=True)
+        sent = False
+
+        def run(conn: db.Conn) -> ActionResult:
+            nonlocal sent
+            # held by the session until it ends, then released by the server whatever became of its client
+            conn.execute("SELECT pg_advisory_lock(%s, %s)", (ACTION_LOCK_CLASS, key))
+            sent = True
+            return fn(conn, token)
+
+        try:
+            return self._act(run)
+        except Exception as e:
+            if not is_outage(e):
+                raise  # the server answered with an error: rolled back (or it never ran: the console quit)
+            if not sent:
+                raise ActionLost(e, committed=False) from e  # nothing of it reached the server
+            raise self._tell(e, token, key) from e
+
+    def _tell(self, error: BaseException, token: str, key: int) -> ActionLost:
+        """Whether the action whose connection died committed, on a new connection: once its session has ended
+        (its advisory lock free: nothing of it can commit any more), by its token in the newest audit entries."""
+        until = time.monotonic() + self.lost_settle_s
+        try:
+            conn = self._open(self.statement_timeout_ms)
+        except psycopg.Error:
+            return ActionLost(error, committed=None)
+        with self._action_guard:  # quitting wakes it as it wakes the actions
+            aborted = self._actions_aborted
+            if not aborted:
+                self._action_conns.add(conn)
+        try:
+            if aborted:
+                return ActionLost(error, committed=None)
+            with db.Deadline(conn, self.call_deadline_s + self.lost_settle_s):
+                while True:
+                    row = conn.execute(
+                        "SELECT pg_try_advisory_lock(%s, %s) AS ended", (ACTION_LOCK_CLASS, key)
+                    ).fetchone()
+                    if row is not None and row["ended"]:
+                        break
+                    if time.monotonic() >= until or self._actions_aborted:
+                        return ActionLost(error, committed=None)  # its session lives on: it may still commit
+                    time.sleep(0.2)
+                found = conn.execute(
+                    "SELECT id, cardinality(job_ids) AS changed FROM (SELECT id, job_ids, detail FROM audit_log"
+                    " ORDER BY id DESC LIMIT %(rows)s) newest WHERE detail ->> %(key)s = %(token)s",
+                    {"rows": TOKEN_LOOKUP_ROWS, "key": ops.TOKEN_KEY, "token": token},
+                ).fetchone()
+            if found is None:
+                return ActionLost(error, committed=False, note="the connection was lost before it committed")
+            return ActionLost(error, committed=True, audit_id=int(found["id"]), changed=int(found["changed"]))
+        except psycopg.Error:
+            return ActionLost(error, committed=None)
+        finally:
+            with self._action_guard:
+                self._action_conns.discard(conn)
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
     def _align_clock(self, conn: db.Conn) -> None:
         """Measure the clock against the server's (one round trip) on a connection's first call and every
         CLOCK_ALIGN_EVERY_S after: the actions, which run on connections of their own, use what was measured."""
@@ -416,12 +518,20 @@ class DatabaseBackend:
 
     def requeue(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
         self._refuse_if_read_only()
-        return self._act(lambda c: ops.requeue(c, job_ids, actor=self.actor, reason=reason, clock=self.clock))
+        return self._act_told(
+            lambda c, token: ops.requeue(c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token)
+        )
 
     def kill(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
         self._refuse_if_read_only()
-        return self._act(lambda c: ops.kill(c, job_ids, actor=self.actor, reason=reason, clock=self.clock))
+        return self._act_told(
+            lambda c, token: ops.kill(c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token)
+        )
 
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult:
         self._refuse_if_read_only()
-        return self._act(lambda c: ops.set_paused(c, queue, paused, actor=self.actor, reason=reason, clock=self.clock))
+        return self._act_told(
+            lambda c, token: ops.set_paused(
+                c, queue, paused, actor=self.actor, reason=reason, clock=self.clock, token=token
+            )
+        )

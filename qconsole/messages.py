@@ -44,10 +44,23 @@ class ActionDone(Message):
 
 @dataclass
 class ActionFailed(Message):
-    """An operator action was refused or failed; nothing changed."""
+    """An operator action was refused or failed; nothing changed (the server answered with an error, or it is
+    known otherwise: see ActionUnsure)."""
 
     action: str
     error: str
+
+
+@dataclass
+class ActionUnsure(Message):
+    """An operator action's connection died once it was sent: the answer to its COMMIT may be what was lost.
+    ``audit_id``: it committed (found by the token of its audit entry; ``changed`` the jobs it names); None:
+    whether it did could not be told."""
+
+    action: str
+    error: str
+    audit_id: int | None = None
+    changed: int = 0
 
 
 @dataclass
@@ -57,7 +70,7 @@ class ActionEnded(Message):
 
     action: str
     #: what came of it (None: its thread failed past the action itself)
-    outcome: ActionDone | ActionFailed | None = None
+    outcome: ActionDone | ActionFailed | ActionUnsure | None = None
     #: the screen it was asked on: told too (after_action, a read), if it is still there
     origin: Any = None
 

@@ -120,6 +120,16 @@ def _audit(
 #: a requeue that meets a dedup key taken meanwhile runs again (ops.requeue), at most this many times in all
 REQUEUE_TRIES = 5
 
+#: the audit detail's key of a caller's token (``token=`` of requeue, kill, set_paused): the console looks its
+#: action's row up by it when the connection died before the commit's answer came (committed or not?)
+TOKEN_KEY = "console_token"
+
+
+def _with_token(detail: dict[str, Any], token: str | None) -> dict[str, Any]:
+    if token is not None:
+        detail[TOKEN_KEY] = token
+    return detail
+
 
 def requeue(
     conn: Conn,
@@ -131,10 +141,12 @@ def requeue(
     payload: Mapping[str, Any] | None = None,
     clock: Clock = SYSTEM_CLOCK,
     same_payload: bool = False,
+    token: str | None = None,
 ) -> ActionResult:
     """dead_lettered | failed | cancelled -> queued, with ``budget`` fresh attempts and the history kept.
     ``payload`` replaces the payload (a fix), recorded in the audit entry; for more than one job only with
-    ``same_payload``: each would get this one, and lose its own."""
+    ``same_payload``: each would get this one, and lose its own. ``token`` (the caller's) goes into the audit
+    entry's detail (TOKEN_KEY), as with kill and set_paused."""
     ids = _ids(job_ids)
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_MAX_ATTEMPTS:
         raise ValueError(f"budget must be an integer between 1 and {MAX_MAX_ATTEMPTS}")
@@ -172,7 +184,7 @@ def requeue(
                 if not tries_left:
                     raise
         changed = [r["id"] for r in rows]
-        detail: dict[str, Any] = {"budget": budget, "requested": len(ids)}
+        detail: dict[str, Any] = _with_token({"budget": budget, "requested": len(ids)}, token)
         if payload is not None:
             detail["payload"] = dict(payload)
             detail["payload_diff"] = {
@@ -218,6 +230,7 @@ def kill(
     actor: Actor | None = None,
     reason: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    token: str | None = None,
 ) -> ActionResult:
     """Waiting jobs -> cancelled now; running jobs are flagged and cancelled by their worker within one
     heartbeat (or by the next claim, if their worker is gone). Never retried."""
@@ -240,7 +253,9 @@ def kill(
         changed = waiting + running
         audit_id = _audit(
             conn, now, actor, "kill", job_ids=changed, reason=reason,
-            detail={"cancelled": len(waiting), "signalled_running": len(running), "requested": len(ids)},
+            detail=_with_token(
+                {"cancelled": len(waiting), "signalled_running": len(running), "requested": len(ids)}, token
+            ),
         )  # fmt: skip
         done = set(changed)
         skipped = [i for i in ids if i not in done]
@@ -268,6 +283,7 @@ def set_paused(
     reason: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
     allow_unknown: bool = False,
+    token: str | None = None,
 ) -> ActionResult:
     """Pause or resume a queue. A queue (but ``default``) no job, worker, type or earlier pause names is refused unless
     ``allow_unknown``: "resume biling" reported success, nothing audited as wrong, while billing stayed
@@ -286,7 +302,10 @@ def set_paused(
                 f" {now_paused}; a queue still to come: allow_unknown / --unknown-queue)"
             )
         conn.execute(queries["queue_set_paused"], {"name": queue, "paused": paused, "now": now, "actor": str(actor)})
-        audit_id = _audit(conn, now, actor, "pause" if paused else "resume", queue=queue, reason=reason)
+        audit_id = _audit(
+            conn, now, actor, "pause" if paused else "resume", queue=queue, reason=reason,
+            detail=_with_token({}, token),
+        )  # fmt: skip
         conn.execute(queries["notify_control"], {"what": "queues"})
         if not paused:
             conn.execute(queries["notify_queue"], {"queue": queue})

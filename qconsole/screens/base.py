@@ -18,8 +18,8 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.worker import Worker, WorkerState
 
-from qconsole.backend import ConsoleBackend, describe_error, is_outage
-from qconsole.messages import ActionDone, ActionEnded, ActionFailed, DataFetched, FetchFailed
+from qconsole.backend import ActionLost, ConsoleBackend, describe_error, is_outage
+from qconsole.messages import ActionDone, ActionEnded, ActionFailed, ActionUnsure, DataFetched, FetchFailed
 from qconsole.widgets.chrome import OutageBanner, TitleBar
 from qconsole.widgets.keys import KeyLine
 from worker_core.models import ActionResult
@@ -211,18 +211,29 @@ class ConsoleScreen(Screen[None]):
     ) -> None:
         # the outcome goes to the app, whatever became of this screen meanwhile (closed, its app unreachable
         # through it): the title bar's mark always clears, and the outcome is always said
-        outcome: ActionDone | ActionFailed | None = None
+        outcome: ActionDone | ActionFailed | ActionUnsure | None = None
+        dsn = getattr(app.backend, "dsn", None)
         try:
             try:
                 result = fn(app.backend)
+            except ActionLost as e:  # the connection died: the backend told whether it committed
+                error = describe_error(e.cause, dsn)
+                if e.committed is False:
+                    outcome = ActionFailed(name, f"{error} ({e.note})" if e.note else error)
+                else:
+                    outcome = ActionUnsure(name, error, e.audit_id if e.committed else None, e.changed)
             except Exception as e:
-                outcome = ActionFailed(name, describe_error(e, getattr(app.backend, "dsn", None)))
+                # an outage once the action may have been sent (a backend that cannot tell): the answer to its
+                # COMMIT may be what was lost, so "nothing changed" would be a guess; else the server answered
+                # with an error, and rolled it back
+                error = describe_error(e, dsn)
+                outcome = ActionUnsure(name, error) if is_outage(e) else ActionFailed(name, error)
             else:
                 outcome = ActionDone(result, summary(result))
         finally:
             app.post_message(ActionEnded(name, outcome, self))
 
-    def acted(self, outcome: ActionDone | ActionFailed) -> None:
+    def acted(self, outcome: ActionDone | ActionFailed | ActionUnsure) -> None:
         """An action asked on this screen ended (the app said its outcome): clear marks, read again."""
         if isinstance(outcome, ActionDone):
             self.after_action(outcome.result)

@@ -250,6 +250,123 @@ def test_q_exits_at_once_while_a_read_waits_on_a_server_that_stopped_answering(d
     assert took < 3, f"q took {took:.1f}s to give the terminal back"
 
 
+DEAD_GROUP = (
+    "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error, error_fingerprint)"
+    " SELECT 't.ok', 'default', '{}', 'dead_lettered', now(), 'boom', 'boom' FROM generate_series(1, 3)"
+)
+
+
+def test_a_requeue_whose_commit_answer_is_lost_is_said_done_with_its_audit_entry(dsn: str, conn: db.Conn) -> None:
+    # the server committed, and the connection died before its answer came: the console said "requeue failed,
+    # nothing changed" of jobs it had requeued, and the operator requeued them again
+    from tests.worker_core.helpers import FreezingProxy
+
+    conn.execute(DEAD_GROUP)
+    conn.commit()
+    proxy = FreezingProxy.before(dsn)
+    app = console(dsn, backend=DatabaseBackend(proxy.dsn))
+
+    async def scenario() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await settle(pilot)
+            await opened(pilot, "d", DeadLettersScreen)
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+            proxy.lose_commit_after = b"UPDATE job_queue j SET"  # the requeue's statement
+            await pilot.press("y")
+            await until(pilot, lambda: app.acting == (), what="the requeue to end")
+            await settle(pilot)
+
+    try:
+        run_async(scenario())
+    finally:
+        app.backend.close()
+        proxy.close()
+    assert proxy.commits_lost == 1
+    conn.rollback()
+    assert {r["state"] for r in conn.execute("SELECT state FROM job_queue")} == {JobState.QUEUED.value}
+    [entry] = stats.audit_log(conn)
+    said = notes(app)
+    assert f"requeue done (audit #{entry.id}, 3 job(s)): its answer was lost with the connection" in said, said
+    assert "nothing changed" not in said and "unknown" not in said
+
+
+def test_an_action_whose_session_ended_before_it_committed_is_said_to_have_changed_nothing(
+    dsn: str, conn: db.Conn
+) -> None:
+    # the connection died too, but the console told, on a new one, that its session had ended without committing
+    conn.execute(DEAD_GROUP)
+    conn.commit()
+    app = console(dsn)
+    locker = db.connect(dsn)  # holds the group's rows: the requeue waits for them
+
+    async def scenario() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await settle(pilot)
+            await opened(pilot, "d", DeadLettersScreen)
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+            locker.execute("SELECT id FROM job_queue FOR UPDATE").fetchall()
+            await pilot.press("y")
+            await until(pilot, lambda: waiting_for_locks(conn) == 1, what="the requeue waiting")
+            conn.execute(  # an operator's pg_terminate_backend, a failover
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'qconsole-console'"
+                " AND datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            await until(pilot, lambda: app.acting == (), what="the requeue to end")
+            locker.rollback()
+
+    try:
+        run_async(scenario())
+    finally:
+        locker.close()
+        app.backend.close()
+    said = notes(app)
+    assert "requeue failed, nothing changed:" in said and "(the connection was lost before it committed)" in said
+    assert {r["state"] for r in conn.execute("SELECT state FROM job_queue")} == {JobState.DEAD_LETTERED.value}
+    assert stats.audit_log(conn) == []
+
+
+def test_an_action_whose_outcome_cannot_be_told_is_said_unknown_not_failed(dsn: str, conn: db.Conn) -> None:
+    # the server stopped answering while the requeue waited (a hung host behind TCP that still acknowledges): its
+    # session lives on, and it may still commit, so neither "done" nor "nothing changed" is known
+    from tests.worker_core.helpers import FreezingProxy
+
+    conn.execute(DEAD_GROUP)
+    conn.commit()
+    proxy = FreezingProxy.before(dsn)
+    backend = DatabaseBackend(proxy.dsn)
+    backend.action_deadline_s = 1.0  # the default is minutes long: a group's requeue may take that long
+    backend.lost_settle_s = 1.0
+    app = console(dsn, backend=backend)
+    locker = db.connect(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await settle(pilot)
+            await opened(pilot, "d", DeadLettersScreen)
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+            locker.execute("SELECT id FROM job_queue FOR UPDATE").fetchall()
+            await pilot.press("y")
+            await until(pilot, lambda: app.acting == (), what="the requeue to end")
+
+    try:
+        run_async(scenario())
+        said = notes(app)
+        assert "requeue: outcome unknown (the connection was lost): check the audit log (a) before acting again" in said
+        assert "nothing changed" not in said and "done" not in said
+    finally:
+        locker.rollback()
+        locker.close()
+        backend.close()
+        conn.execute(  # its session, behind the proxy, would wait for its client for ever
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'qconsole-console'"
+            " AND datname = current_database()"
+        )
+        proxy.close()
+
+
 @pytest.mark.parametrize("ends", ["killed", "failed"])
 def test_an_action_whose_screen_was_closed_meanwhile_still_says_its_outcome_and_clears_the_title(
     dsn: str, conn: db.Conn, make_job: Any, ends: str

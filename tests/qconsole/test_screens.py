@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
+import psycopg
 import pytest
+from psycopg.errors import QueryCanceled
 from textual.widgets import Log
 
 from qconsole.messages import DataFetched
@@ -264,5 +267,43 @@ def test_a_screen_whose_reads_the_database_refuses_says_its_data_is_stale_until_
             await pilot.press("ctrl+r")
             await settle(pilot)
             assert not banner.display and not banner.has_class("-stale")
+
+    run_async(scenario())
+
+
+# ------------------------------------------------------------------ an action's outcome
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (psycopg.OperationalError("server closed the connection unexpectedly"),
+         "requeue: outcome unknown (the connection was lost): check the audit log (a) before acting again."),
+        (QueryCanceled("canceling statement due to statement timeout"),
+         "requeue failed, nothing changed: QueryCanceled: canceling statement due to statement timeout"),
+    ],
+    ids=["connection-lost", "server-refused"],
+)  # fmt: skip
+def test_an_actions_failure_says_nothing_changed_only_where_the_server_answered(error: Exception, said: str) -> None:
+    # a connection that died may have taken the answer to a COMMIT with it: "failed, nothing changed" was said
+    # of requeues that had committed (a backend that cannot tell which says it does not know)
+    class Failing(FakeBackend):
+        def requeue(self, job_ids: Any, reason: str | None = None) -> Any:
+            raise error
+
+    app = fake_app(Failing())
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await opened(pilot, "d", DeadLettersScreen)
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+            await pilot.press("y")
+            await until(pilot, lambda: app.acting == (), what="the requeue to end")
+            notes = "\n".join(n.message for n in app._notifications)
+            assert said in notes, notes
+            if "unknown" in said:
+                assert "nothing changed" not in notes
 
     run_async(scenario())
