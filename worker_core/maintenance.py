@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+
 from worker_core.clock import SYSTEM_CLOCK, Clock, now_on
 from worker_core.db import Conn
 from worker_core.sql import queries
@@ -83,15 +85,28 @@ def rollup_enqueued(conn: Conn, now: dt.datetime) -> dt.datetime:
     return upto
 
 
+#: how long housekeeping's ANALYZE waits for its lock before it leaves it to the next round
+ANALYZE_LOCK_TIMEOUT_MS = 1000
+
+
 def analyze_if_stale(conn: Conn, threshold: int = 1000) -> bool:
     """ANALYZE job_queue when it never was, or changed by more than the rows its last ANALYZE saw: a queue
     table goes from empty to thousands of rows in a second, long before autovacuum looks at it. (Compared
     with its live rows, which an insert-only burst raises as much as its changes, a burst into a table
-    analyzed empty was never caught.)"""
-    row = conn.execute(queries["job_queue_stats_age"]).fetchone()
+    analyzed empty was never caught.) In a transaction of its own that waits ANALYZE_LOCK_TIMEOUT_MS at most
+    for the table's lock: a VACUUM of job_queue (an operator's, autovacuum's anti-wraparound one) holds it
+    for minutes; the round went on waiting, up to its statement timeout, then failed, its rollup with it,
+    and the next one did the same. False: not stale, or left to a later round."""
+    with conn.transaction():  # the caller's transactions are its own: none is left open here
+        row = conn.execute(queries["job_queue_stats_age"]).fetchone()
     if row is None or not (row["never"] or row["modified"] > max(threshold, row["analyzed_rows"])):
         return False
-    conn.execute(queries["analyze_job_queue"])
+    try:
+        with conn.transaction():
+            conn.execute(f"SET LOCAL lock_timeout = {ANALYZE_LOCK_TIMEOUT_MS}")
+            conn.execute(queries["analyze_job_queue"])
+    except psycopg.errors.LockNotAvailable:
+        return False
     return True
 
 
@@ -181,11 +196,14 @@ def housekeeping(
         return None
     try:
         deadline = time.monotonic() + retention.round_seconds
+        # each in a short transaction of its own: the expired lock_key leases this deletes stayed locked, and
+        # every job taking one of those keys waited, for as long as the ANALYZE after it waited on a VACUUM
         with conn.transaction():
             conn.execute(queries["prune_resource_locks"], {"now": now})
             conn.execute(queries["prune_single_flight"], {"now": now})
             conn.execute(queries["workers_prune"], {"before": now - dt.timedelta(days=1)})
-            analyzed = analyze_if_stale(conn)
+        analyzed = analyze_if_stale(conn)
+        with conn.transaction():
             until = rollup_enqueued(conn, now)
             conn.execute(queries["fold_dedup_hits"])
         _, keys_left = prune_processed_keys(conn, now, retention, deadline)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import uuid
 from typing import Any
 
 from worker_core import db, stats
 from worker_core.clock import FixedClock
 from worker_core.maintenance import Retention, housekeeping
 from worker_core.producer import enqueue, enqueue_many
+from worker_core.sql import queries
 
 T0 = dt.datetime(2026, 11, 28, 9, 0, tzinfo=dt.timezone.utc)
 
@@ -240,3 +242,35 @@ def test_a_frozen_housekeeping_winner_lets_go_of_the_lock(dsn: str, conn: db.Con
     finally:
         proxy.frozen.clear()
         proxy.close()
+
+
+def test_a_vacuum_of_the_queue_table_holds_up_neither_lock_keys_nor_the_round(dsn: str, conn: db.Conn) -> None:
+    # the round's ANALYZE ran in the transaction that deleted the expired lock_key leases: while it waited on a
+    # VACUUM of job_queue (an operator's, autovacuum's anti-wraparound one), every job taking one of those keys
+    # waited too, then the round failed at its statement timeout, its rollup with it, and the next did the same
+    enqueue_many(conn, [("t.ok", {"i": i}) for i in range(1500)])  # the statistics are stale: ANALYZE is due
+    conn.execute(
+        "INSERT INTO resource_locks (lock_key, token, job_id, expires_at)"
+        " VALUES ('order:1', 'old', gen_random_uuid(), now() - interval '1 minute')"
+    )
+    conn.commit()
+    vacuum = db.connect(dsn)
+    vacuum.execute("LOCK TABLE job_queue IN SHARE UPDATE EXCLUSIVE MODE")  # what a VACUUM holds
+    reports: list[Any] = []
+    try:
+        with db.connect(dsn) as hk:
+            round_ = threading.Thread(target=lambda: reports.append(housekeeping(hk)), daemon=True)
+            round_.start()
+            with db.connect(dsn, autocommit=True) as slot:
+                slot.execute("SET lock_timeout = '5s'")
+                taken = slot.execute(
+                    queries["lock_acquire"],
+                    {"key": "order:1", "token": "new", "now": None, "ttl": 30, "job_id": uuid.uuid4()},
+                ).fetchone()
+            assert taken is not None
+            round_.join(15)
+    finally:
+        vacuum.rollback()
+        vacuum.close()
+    [report] = reports
+    assert report is not None and not report.analyzed and report.enqueued_rolled_up_until is not None
