@@ -175,12 +175,24 @@ class ReadsAborted(RuntimeError):
     """A read asked for while (or after) the console quit: not run, or woken from its wait."""
 
 
+#: the SQLSTATEs of an OperationalError that mean the session is gone or cannot be had: the server shut down,
+#: crashed or is starting (57P01-57P03), or has no connection to spare (53300); with class 08 (connection
+#: exceptions) and no SQLSTATE at all (the socket died)
+_OUTAGE_STATES = ("57P01", "57P02", "57P03", "53300")
+
+
 def is_outage(exc: BaseException) -> bool:
-    """The database could not be reached (or the session was lost), as opposed to answering with an error
-    (including a statement over its time limit: the server answered that)."""
-    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, ConnectionError)) and not isinstance(
-        exc, psycopg.errors.QueryCanceled
-    )
+    """The database could not be reached (or the session was lost), as opposed to answering with an error:
+    a statement over its time limit, a lock timeout (55P03, a DBA's lock_timeout behind a worker's row locks),
+    a deadlock, a full disk are answers of a live server, on a connection that still works (they read as
+    unreachable, the console dropped its connection each time, and an action's outcome was looked up as if
+    its connection had died)."""
+    if isinstance(exc, (psycopg.InterfaceError, ConnectionError)):
+        return True
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = str(exc.sqlstate or "")
+    return not state or state.startswith("08") or state in _OUTAGE_STATES
 
 
 def describe_error(exc: BaseException, dsn: str | None = None) -> str:
@@ -279,6 +291,8 @@ class DatabaseBackend:
                     self._align_clock(conn)
                     return fn(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+                if not is_outage(e) and not deadline.expired:
+                    raise  # the server answered (a statement or lock timeout): the connection is fine
                 # a dead server, a terminated session or a timeout: start from a new connection next time
                 self._done_reading()  # before the connection is closed
                 self._drop()

@@ -237,7 +237,12 @@ class ConsoleScreen(Screen[None]):
         """An action asked on this screen ended (the app said its outcome): clear marks, read again."""
         if isinstance(outcome, ActionDone):
             self.after_action(outcome.result)
+        elif isinstance(outcome, ActionUnsure) and outcome.audit_id is not None:
+            # found committed after its answer was lost: its marks go as for any done action (kept, a group
+            # that went on growing under the same fingerprint was requeued again by the next r)
+            self.after_action(None)
         self.reload()
 
-    def after_action(self, result: ActionResult) -> None:
-        """Hook: clear marks and the like."""
+    def after_action(self, result: ActionResult | None) -> None:
+        """Hook: clear marks and the like (``result`` None: an action found committed after its answer was
+        lost, whose details are in its audit entry)."""

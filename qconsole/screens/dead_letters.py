@@ -187,7 +187,7 @@ class DeadLettersScreen(ConsoleScreen):
         if table.cursor_row < table.row_count - 1:
             table.move_cursor(row=table.cursor_row + 1)
 
-    def after_action(self, result: ActionResult) -> None:
+    def after_action(self, result: ActionResult | None) -> None:
         self.marked.clear()
         self.marks_gone = False
 

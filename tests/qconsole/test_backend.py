@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 import tests.worker_core.tasks  # noqa: F401  (registers the test types, so enqueue applies their defaults)
-from qconsole.backend import APPLICATION_NAME, ActionsAborted, DatabaseBackend
+from qconsole.backend import APPLICATION_NAME, ActionsAborted, DatabaseBackend, is_outage
 from qconsole.embedded_workers import EmbeddedWorkers
 from tests.worker_core.helpers import scalar, wait_for
 from worker_core import db, stats
@@ -556,3 +557,36 @@ def test_a_dead_letter_group_too_big_for_the_read_bound_is_requeued_and_reads_st
             backend._call(lambda c: c.execute("SELECT pg_sleep(1)"))  # a read still has its bound
     finally:
         backend.close()
+
+
+def test_an_action_the_server_refuses_with_a_lock_timeout_is_a_plain_failure_on_a_live_connection(
+    dsn: str, conn: db.Conn
+) -> None:
+    # a DBA's lock_timeout behind a worker's row locks: the server answered 55P03, an OperationalError, which
+    # was taken for a lost connection ("the connection was lost before it committed", an audit lookup)
+    ids = [
+        r["id"]
+        for r in conn.execute(
+            "INSERT INTO job_queue (job_type, queue, payload, state, finished_at, last_error, error_fingerprint)"
+            " SELECT 't.ok', 'default', '{}', 'dead_lettered', now(), 'boom', 'boom' FROM generate_series(1, 3)"
+            " RETURNING id"
+        ).fetchall()
+    ]
+    conn.execute(f"ALTER DATABASE \"{conn.info.dbname}\" SET lock_timeout = '300ms'")
+    conn.commit()
+    locker = db.connect(dsn)
+    locker.execute("SELECT id FROM job_queue FOR UPDATE").fetchall()
+    backend = DatabaseBackend(dsn)
+    try:
+        backend.overview()
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            backend.requeue(ids)
+        read_on = backend._conn
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            backend._call(lambda c: c.execute("SELECT id FROM job_queue FOR UPDATE").fetchall())
+        assert backend._conn is read_on and read_on is not None  # the connection is fine: kept
+    finally:
+        locker.rollback()
+        locker.close()
+        backend.close()
+    assert not is_outage(psycopg.errors.LockNotAvailable()) and is_outage(psycopg.OperationalError("gone"))

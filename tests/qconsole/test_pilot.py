@@ -1222,3 +1222,38 @@ def test_a_worker_stopped_while_it_was_being_restarted_stays_stopped(dsn: str, t
         assert w.stopping
     finally:
         launcher.stop_all()
+
+
+def test_reads_refused_by_a_lock_timeout_are_stale_data_not_an_unreachable_database(dsn: str, conn: db.Conn) -> None:
+    # a DBA's lock_timeout behind a LOCK TABLE: the server answers every read (55P03), yet the console said
+    # DATABASE UNREACHABLE, went offline and reconnected on every read
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload) SELECT 't.ok', 'default', '{}' FROM generate_series(1, 3)"
+    )
+    conn.execute(f"ALTER DATABASE \"{conn.info.dbname}\" SET lock_timeout = '200ms'")
+    conn.commit()
+    backend = DatabaseBackend(dsn)
+    app = console(dsn, backend=backend, refresh_seconds=0.2)
+    locker = db.connect(dsn)
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            await until(pilot, lambda: screen.selected() is not None, what="rows")
+            banner = screen.query_one(OutageBanner)
+            locker.execute("LOCK TABLE job_queue IN ACCESS EXCLUSIVE MODE")
+            await until(pilot, lambda: banner.display, what="a banner")
+            await pilot.pause(1.0)
+            seen["said"], seen["db_error"] = str(banner.render()), app.db_error
+            locker.rollback()
+            await until(pilot, lambda: not banner.display, what="the banner to go")
+
+    try:
+        run_async(scenario())
+    finally:
+        locker.rollback()
+        locker.close()
+        backend.close()
+    assert "READS FAILING" in seen["said"] and "UNREACHABLE" not in seen["said"] and seen["db_error"] is None

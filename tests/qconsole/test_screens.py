@@ -11,6 +11,7 @@ import pytest
 from psycopg.errors import QueryCanceled
 from textual.widgets import Log
 
+from qconsole.backend import ActionLost
 from qconsole.messages import DataFetched
 from qconsole.screens.confirm import ConfirmScreen
 from qconsole.screens.dead_letters import DeadLettersScreen, group_key
@@ -305,5 +306,33 @@ def test_an_actions_failure_says_nothing_changed_only_where_the_server_answered(
             assert said in notes, notes
             if "unknown" in said:
                 assert "nothing changed" not in notes
+
+    run_async(scenario())
+
+
+def test_an_action_found_committed_after_its_answer_was_lost_clears_its_marks() -> None:
+    # said "done (audit #7)" but its groups stayed marked: the next r requeued them again
+    class LostButCommitted(FakeBackend):
+        def requeue(self, job_ids: Any, reason: str | None = None) -> Any:
+            self.calls.append(("requeue", list(job_ids)))
+            lost = psycopg.OperationalError("server closed the connection unexpectedly")
+            raise ActionLost(lost, committed=True, audit_id=7, changed=len(job_ids))
+
+    app = fake_app(LostButCommitted())
+
+    async def scenario() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "d", DeadLettersScreen)
+            await pilot.press("space")
+            await settle(pilot)
+            assert screen.marked
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+            await pilot.press("y")
+            await until(pilot, lambda: app.acting == (), what="the requeue to end")
+            await settle(pilot)
+            assert "requeue done (audit #7" in "\n".join(n.message for n in app._notifications)
+            assert screen.marked == set()
 
     run_async(scenario())
