@@ -10,7 +10,7 @@ from typing import Any
 
 from worker_core import db, stats
 from worker_core.clock import FixedClock
-from worker_core.maintenance import Retention, housekeeping
+from worker_core.maintenance import Retention, housekeeping, prune_finished
 from worker_core.producer import enqueue, enqueue_many
 from worker_core.sql import queries
 
@@ -274,3 +274,45 @@ def test_a_vacuum_of_the_queue_table_holds_up_neither_lock_keys_nor_the_round(ds
         vacuum.close()
     [report] = reports
     assert report is not None and not report.analyzed and report.enqueued_rolled_up_until is not None
+
+
+def test_each_prune_batch_goes_on_from_the_last_and_reads_past_the_dead_letters_once(conn: db.Conn) -> None:
+    # the index the prune walks holds every finished state: each batch of 5,000 succeeded jobs read from the
+    # start past every dead letter older than the cut-off (kept 14 days), 1M of them ~300 ms a batch
+    conn.execute(
+        "INSERT INTO job_queue (job_type, state, attempts, created_at, finished_at, updated_at)"
+        " SELECT 't.x', 'dead_lettered', 5, now() - interval '10 days' + i * interval '1 second',"
+        " now() - interval '10 days' + i * interval '1 second', now() FROM generate_series(1, 20000) i"
+    )
+    conn.execute(
+        "INSERT INTO job_queue (job_type, state, attempts, created_at, finished_at, updated_at)"
+        " SELECT 't.x', 'succeeded', 1, now() - interval '30 hours', now() - interval '30 hours' + i * interval '1 ms',"
+        " now() FROM generate_series(1, 2500) i"
+    )
+    conn.execute("ANALYZE job_queue")
+    conn.commit()
+    now = conn.execute("SELECT now() AS n").fetchone()["n"]
+    sent: list[dict[str, Any]] = []
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(conn, name)
+
+        def execute(self, query: Any, params: Any = None) -> Any:
+            if query is queries["prune_finished"]:
+                sent.append(dict(params))
+            return conn.execute(query, params)
+
+    retention = Retention(batch=1000)
+    pruned, more = prune_finished(Recording(), now, retention, now - dt.timedelta(minutes=2), float("inf"))  # type: ignore[arg-type]
+    assert (pruned, more) == (2500, False)
+    succeeded = [p for p in sent if p["states"] == ["succeeded"]]
+    assert len(succeeded) == 3 and succeeded[0]["after"] < succeeded[1]["after"] < succeeded[2]["after"]
+    # a batch that goes on from where the last stopped reads none of the dead letters before it
+    plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + queries["prune_finished"], succeeded[2]).fetchone()
+    conn.rollback()
+
+    def removed(node: dict[str, Any]) -> int:
+        return int(node.get("Rows Removed by Filter", 0)) + sum(removed(n) for n in node.get("Plans", []))
+
+    assert removed(plan["QUERY PLAN"][0]["Plan"]) < 1000

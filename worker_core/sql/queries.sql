@@ -809,15 +809,18 @@ ORDER BY job_type, attempts;
 ------------------------------------------------------------------------------------------------------
 
 -- name: prune_finished
--- In batches, oldest first, so a large backlog never holds long locks.
+-- In batches, oldest first, so a large backlog never holds long locks; each batch from where the one before
+-- stopped (after: its last finished_at), so the finished jobs of the other states before it (dead letters
+-- kept 14 days, read past on the way to the succeeded ones) are read once a round, not once a batch.
 WITH doomed AS (
     SELECT id FROM job_queue
-    WHERE state = ANY(%(states)s) AND finished_at < %(before)s AND created_at < %(counted_until)s
+    WHERE state = ANY(%(states)s) AND finished_at < %(before)s AND finished_at >= %(after)s
+      AND created_at < %(counted_until)s
     ORDER BY finished_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-DELETE FROM job_queue j USING doomed d WHERE j.id = d.id;
+DELETE FROM job_queue j USING doomed d WHERE j.id = d.id RETURNING j.finished_at;
 
 -- name: prune_rollups
 -- Per-minute counters past their retention, oldest first, through the primary key (minute first).
