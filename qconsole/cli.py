@@ -7,6 +7,7 @@ Exit codes: 0 ok, 1 not found or operation refused, 2 bad input (nothing written
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import logging
 import os
@@ -385,6 +386,10 @@ def enqueue(
     lock_key: Annotated[str | None, typer.Option("--lock-key")] = None,
     priority: Annotated[int | None, typer.Option("--priority", help="Lower runs first.")] = None,
     delay: Annotated[float | None, typer.Option("--delay", help="Seconds before it may run.")] = None,
+    scheduled_at: Annotated[
+        str | None,
+        typer.Option("--scheduled-at", help="When it may run: ISO 8601 with its time zone (2026-12-01T02:00:00Z)."),
+    ] = None,
     max_attempts: Annotated[int | None, typer.Option("--max-attempts")] = None,
     timeout: Annotated[float | None, typer.Option("--timeout", help="Execution timeout, seconds.")] = None,
     visibility_timeout: Annotated[float | None, typer.Option("--visibility-timeout", help="Lease, seconds.")] = None,
@@ -405,6 +410,7 @@ def enqueue(
         "lock_key": lock_key,
         "priority": priority,
         "delay_seconds": delay,
+        "scheduled_at": _parse_scheduled_at(scheduled_at) if scheduled_at is not None else None,
         "max_attempts": max_attempts,
         "timeout_seconds": timeout,
         "visibility_timeout_seconds": visibility_timeout,
@@ -422,6 +428,18 @@ def enqueue(
         _warn_if_unregistered(conn, job_type, queue)
         result = guarded(lambda: enqueue_job(conn, job_type, body, **envelope))
     typer.echo(str(result.id) if result.created else f"duplicate of {result.id}")
+
+
+def _parse_scheduled_at(text: str) -> dt.datetime:
+    """--scheduled-at: an ISO 8601 time with its zone (a bare local time would be read in this host's zone,
+    which a runbook run from another host would get wrong): bad input, exit 2, otherwise."""
+    try:
+        at = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        fail(f"--scheduled-at: {text!r} is not an ISO 8601 time (2026-12-01T02:00:00Z)", 2)
+    if at.tzinfo is None:
+        fail(f"--scheduled-at: {text!r} has no time zone: add Z (UTC) or an offset such as +01:00", 2)
+    return at
 
 
 def _warn_if_unregistered(conn: db.Conn, job_type: str, queue: str | None) -> None:

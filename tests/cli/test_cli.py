@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
@@ -56,6 +57,19 @@ def test_enqueue_takes_every_envelope_field(cli: Any, conn: db.Conn) -> None:
     assert job.retry_policy["backoff"] == "linear" and job.retry_policy["base_seconds"] == 4
     assert (job.tenant_id, job.trace_id, job.state.value, job.attempts) == ("acme", "tr-1", "queued", 0)
     assert 59 <= (job.scheduled_at - job.created_at).total_seconds() <= 61
+
+
+def test_enqueue_takes_an_absolute_time_with_its_zone_and_refuses_one_without(cli: Any, conn: db.Conn) -> None:
+    # the envelope's scheduled_at had no flag: a runbook could only say "in N seconds"
+    out = cli("enqueue", "t.ok", "--scheduled-at", "2031-05-06T02:00:00Z").stdout.strip()
+    assert stats.get_job(conn, out).scheduled_at == dt.datetime(2031, 5, 6, 2, tzinfo=dt.timezone.utc)
+    out = cli("enqueue", "t.ok", "--scheduled-at", "2031-05-06 04:00:00+02:00").stdout.strip()
+    assert stats.get_job(conn, out).scheduled_at == dt.datetime(2031, 5, 6, 2, tzinfo=dt.timezone.utc)
+    before = count_jobs(conn)
+    assert "no time zone" in cli("enqueue", "t.ok", "--scheduled-at", "2031-05-06T02:00", code=2).output
+    assert "not an ISO 8601 time" in cli("enqueue", "t.ok", "--scheduled-at", "tomorrow", code=2).output
+    assert "not both" in cli("enqueue", "t.ok", "--scheduled-at", "2031-05-06T02:00Z", "--delay", "5", code=2).output
+    assert count_jobs(conn) == before
 
 
 def test_enqueue_reports_a_duplicate_of_a_live_job(cli: Any) -> None:
