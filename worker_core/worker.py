@@ -42,7 +42,7 @@ from psycopg import sql
 from psycopg.types.json import set_json_loads
 from typing_extensions import LiteralString
 
-from worker_core import db, maintenance
+from worker_core import db, maintenance, policy
 from worker_core.clock import SYSTEM_CLOCK, Clock, ServerAlignedClock, SystemClock
 from worker_core.completer import Completer
 from worker_core.context import JobContext
@@ -262,11 +262,18 @@ class Worker:
                 # taken, not ours to bind, or out of range (OverflowError): a configuration to fix, not a crash
                 self.log.error("cannot serve metrics on port %s: %s", self.config.metrics_port, e)
                 return EXIT_CONFIG
+        # the policy file is looked for in the working directory: one started elsewhere (a systemd unit without
+        # WorkingDirectory=) ran on the built-in defaults, and nothing said so
+        try:
+            policy_source = policy.current().source
+        except policy.PolicyError as e:  # its types' contracts were built before: say it, run on them
+            policy_source = f"unreadable ({e})"
         self.log.info(
-            "worker starting: queues=%s types=%s concurrency=%s",
+            "worker starting: queues=%s types=%s concurrency=%s policy=%s",
             ",".join(self.config.queues) if self.config.queues else "*",
             ",".join(self.registry.job_types()),
             self.config.concurrency,
+            policy_source,
         )
         for i in range(self.config.concurrency):
             self._spawn(self._slot_main, f"slot-{i}", i)

@@ -1342,3 +1342,12 @@ def test_a_supervisor_that_cannot_start_a_worker_stops_the_ones_it_started(
     proc, _ = sup.children[0]
     # stopped (or, if the stop came before its signal handlers were in place, ended by it: it held no job)
     assert not proc.is_alive() and proc.exitcode in (0, -SUPERVISOR_STOP)
+
+
+def test_a_worker_says_which_policy_file_it_runs_on(dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    # the file is looked for in the working directory: a worker started elsewhere ran on the built-in defaults,
+    # and nothing said so
+    caplog.set_level("INFO", logger="worker_core")
+    run_burst(dsn)
+    starting = [r.getMessage() for r in caplog.records if "worker starting" in r.getMessage()]
+    assert starting and starting[0].endswith(f"policy={os.environ['QCONSOLE_POLICY_FILE']}")
