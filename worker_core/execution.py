@@ -29,11 +29,13 @@ import math
 import random
 import re
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import psycopg
+from psycopg.abc import PQGen
 from psycopg.generators import execute as execute_generator
 from psycopg.types.json import Jsonb
 
@@ -186,22 +188,66 @@ LOST_UNDER_HANDLER = "the connection of the job's transaction was lost while its
 MAX_UNCHARGED_GIVE_BACKS = 3
 
 
-def _lost_under_handler(conn: db.Conn | db.AsyncConn) -> bool:
-    """Whether the job's connection broke while its handler ran (the server ended the session: an
-    idle-in-transaction timeout during a slow call, a failover), though no statement found out yet, or the
-    handler swallowed the error that did. The job's failure then, charged: given back uncharged, a handler
-    that loses its connection itself ran again for ever. Two non-blocking reads of the socket."""
+class LostUnderHandler(psycopg.OperationalError):
+    """The job's connection was lost while its handler ran, by an outage for all the worker can tell (a
+    restart, a failover, a network cut): the job is given back uncharged (Slot._lost_under), as for any
+    outage around a job, but a few times only (MAX_UNCHARGED_GIVE_BACKS): a handler that ends its own
+    session in a way that looks like one (it terminates its own backend, closes its socket) would run
+    again for ever."""
+
+
+_RV = TypeVar("_RV")
+
+
+def _lost_under_handler(conn: db.Conn | db.AsyncConn) -> str | None:
+    """Whether the job's connection broke while its handler ran, though no statement found out yet, or the
+    handler swallowed the error that did: None if it did not; else the SQLSTATE the server ended the
+    session with (JobConnection.ended_with: 25P03 for an idle-in-transaction timeout during a slow call,
+    57P01 for a restart or a failover), "" if none came (the network dropped the connection, or the handler
+    closed it under psycopg). Non-blocking reads of the socket."""
     if conn.closed or conn.broken:
-        return True
+        return getattr(conn, "ended_with", None) or ""
     pgconn = conn.pgconn
     try:
-        # twice: the first read takes the server's last message (FATAL: terminating connection...), the
+        # the first read takes the server's last message (FATAL: terminating connection...), which the
+        # parse (is_busy) hands to the notice processor (_on_fatal: no statement is in progress); the
         # second meets the end of the stream
         pgconn.consume_input()
+        pgconn.is_busy()
         pgconn.consume_input()
     except psycopg.OperationalError:
-        return True
-    return pgconn.status == psycopg.pq.ConnStatus.BAD
+        return getattr(conn, "ended_with", None) or ""
+    if pgconn.status == psycopg.pq.ConnStatus.BAD:
+        return getattr(conn, "ended_with", None) or ""
+    return None
+
+
+def _ended_by_job(cause: str) -> bool:
+    """The server ended the job's session for something the job did: it left its transaction idle, or open,
+    too long (class 25: idle_in_transaction_session_timeout 25P03, transaction_timeout 25P04). Anything
+    else (57P01 admin_shutdown, 57P02 crash_shutdown, 57P03 cannot_connect_now, class 08, none at all) is
+    an outage for all the worker can tell."""
+    return cause[:2] == "25"
+
+
+def _on_fatal(conn: JobConnection | AsyncJobConnection) -> Callable[[psycopg.errors.Diagnostic], None]:
+    """The FATAL error the server ended the connection's session with, when no statement was in progress
+    to receive it (libpq hands it to the notice processor): its SQLSTATE, kept (ended_with)."""
+    ref = weakref.ref(conn)
+
+    def notice(diag: psycopg.errors.Diagnostic) -> None:
+        target = ref()
+        if target is not None and diag.severity_nonlocalized in ("FATAL", "PANIC") and not target.ended_with:
+            target.ended_with = diag.sqlstate or ""
+
+    return notice
+
+
+def _note_ended(conn: db.Conn | db.AsyncConn, sqlstate: str | None) -> None:
+    """A statement of the connection failed with ``sqlstate``: if the session ended with it, kept as the
+    SQLSTATE it ended with (JobConnection.ended_with)."""
+    if sqlstate and not getattr(conn, "ended_with", True) and conn.pgconn.status == psycopg.pq.ConnStatus.BAD:
+        cast(JobConnection, conn).ended_with = sqlstate
 
 
 #: the largest idle_in_transaction_session_timeout PostgreSQL takes (ms)
@@ -544,6 +590,15 @@ class JobConnection(psycopg.Connection[dict[str, Any]]):
     #: its settings were last reset in a group's transaction (Slot._in_group_reset)
     handler_used = False
     handler_used_in_tx = False
+    #: the SQLSTATE of the FATAL error the server ended its session with, once it did (None: not seen)
+    ended_with: str | None = None
+
+    def wait(self, gen: PQGen[_RV], *args: Any, **kwargs: Any) -> _RV:
+        try:
+            return super().wait(gen, *args, **kwargs)
+        except psycopg.Error as e:
+            _note_ended(self, e.sqlstate)  # a handler may swallow the error: the slot still learns why (_lost_under)
+            raise
 
     def commit(self) -> None:
         _refuse(self.slot, "commit")
@@ -618,6 +673,14 @@ class AsyncJobConnection(psycopg.AsyncConnection[dict[str, Any]]):
     idle_bound_ms = 0
     handler_used = False
     handler_used_in_tx = False
+    ended_with: str | None = None
+
+    async def wait(self, gen: PQGen[_RV], *args: Any, **kwargs: Any) -> _RV:
+        try:
+            return await super().wait(gen, *args, **kwargs)
+        except psycopg.Error as e:
+            _note_ended(self, e.sqlstate)
+            raise
 
     def transaction(self, *args: Any, **kwargs: Any) -> Any:
         """``ctx.tx.transaction()``, refused to a task of a finished job as its statements are: its
@@ -736,6 +799,7 @@ class Slot:
             conn.slot = self
             conn.cursor_factory = JobCursor
             conn.add_notice_handler(_on_notice(self))
+            conn.add_notice_handler(_on_fatal(conn))
             conn.backend_pid = conn.info.backend_pid
             self._conn = conn
             if self.abandoned:  # while it connected: nothing of it may reach the server through it
@@ -1187,6 +1251,8 @@ class Slot:
             sqlstate = res.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
             if sqlstate and conn.pgconn.status != psycopg.pq.ConnStatus.BAD:
                 return psycopg.errors.error_from_result(res, conn.info.encoding)
+            # the session ended under the statement: why, if the result says (_lost_under; PQexec's never does)
+            _note_ended(conn, sqlstate.decode(errors="replace") if sqlstate else None)
         if res is None or res.status == psycopg.pq.ExecStatus.FATAL_ERROR:
             # the server closed the connection (no SQLSTATE): an outage, never an error of the job's making
             raw = (res.error_message if res is not None else b"") or conn.pgconn.error_message
@@ -1387,10 +1453,21 @@ class Slot:
             # the handler's first use of ctx.tx opens its savepoint (and the slot's connection, if need be)
             ctx._on_tx = open_savepoint
             self.tx_ended = self.tx_committed = False
-            self._call_sync(ex, task)
+            try:
+                self._call_sync(ex, task)
+            except HandlerFailure as f:
+                # it raised what its lost connection gave it: an outage (a restart, a failover) is nobody's
+                # failure, the group is given back whole (run_group), this job too
+                pinned = self._pinned
+                if pinned is not None and _is_db_error(f.exc) and not self.tx_ended:
+                    cause = _lost_under_handler(pinned)
+                    if cause is not None and not _ended_by_job(cause):
+                        raise self._lost_under(ex, cause, f.exc) from f.exc
+                raise
             pinned = self._pinned
-            if pinned is not None and _lost_under_handler(pinned):
-                raise HandlerFailure(psycopg.OperationalError(LOST_UNDER_HANDLER))
+            cause = None if pinned is None else _lost_under_handler(pinned)
+            if cause is not None:
+                raise self._lost_under(ex, cause)
             status = self.conn.pgconn.transaction_status if opened else None
             if self.tx_ended or status == psycopg.pq.TransactionStatus.IDLE:
                 raise TxEnded()
@@ -1405,10 +1482,10 @@ class Slot:
                     raise psycopg.OperationalError(GROUP_CONNECTION_LOST) from f.exc
                 self._forget_key(ex, savepoint if opened else None)  # finds a lost connection lost
             except psycopg.OperationalError:
-                # the group's connection went while this handler ran: the group is given back, the others
-                # uncharged; this one is charged, as a job alone is. A failover costs it one attempt; a
-                # handler that loses its connection itself (idle_in_transaction_session_timeout during a
-                # slow call) would otherwise run again for ever, never dead-lettered
+                # the group's connection went while this handler ran, by its own doing (an
+                # idle_in_transaction_session_timeout during a slow call: _lost_under), or an outage given
+                # back too often: the group is given back, the others uncharged; this one is charged, as a
+                # job alone is (else it ran again for ever, never dead-lettered)
                 group.failed.append((ex, f.exc))
                 raise
             group.failed.append((ex, f.exc))
@@ -1518,14 +1595,20 @@ class Slot:
         self.tx_ended = False
         try:
             self._call_sync(ex, task)
-        except HandlerFailure:
+        except HandlerFailure as f:
             if self.tx_ended:  # what it wrote before its COMMIT stays; a retry would be a hit, losing the rest
                 raise HandlerFailure(_tx_ended_error()) from None
+            if _is_db_error(f.exc) and (ex.ctx.tx_used or job["idempotency_key"]):
+                # it raised what its lost connection gave it: an outage is not its failure
+                cause = _lost_under_handler(conn)
+                if cause is not None and not _ended_by_job(cause):
+                    raise self._lost_under(ex, cause, f.exc) from f.exc
             raise
         if self.tx_ended:
             raise HandlerFailure(_tx_ended_error())
-        if (ex.ctx.tx_used or job["idempotency_key"]) and _lost_under_handler(conn):
-            raise HandlerFailure(psycopg.OperationalError(LOST_UNDER_HANDLER))
+        cause = _lost_under_handler(conn) if ex.ctx.tx_used or job["idempotency_key"] else None
+        if cause is not None:
+            raise self._lost_under(ex, cause)
         if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
             raise HandlerFailure(_swallowed_error())
         if not ex.ctx.tx_used and not job["idempotency_key"]:
@@ -1647,6 +1730,23 @@ class Slot:
             ex.ctx.logger.warning("could not check lock %s before the commit: %s", key, db.redact(str(e), self.w.dsn))
             return self._lock_unchecked(ex, e)
 
+    def _lost_under(self, ex: Execution, cause: str, raised: BaseException | None = None) -> BaseException:
+        """What a job whose connection was lost while its handler ran fails with (``cause``: see
+        _lost_under_handler; ``raised``: what the handler raised, if it raised what that gave it). Its session
+        ended for something it did (an idle-in-transaction timeout during a slow call): its failure, charged
+        (given back uncharged, it ran again for ever). Else an outage, for all the worker can tell (a
+        restart, a failover, a network cut): LostUnderHandler, the job given back uncharged, its group too
+        (Slot.execute, Slot.run_group); given back so more than MAX_UNCHARGED_GIVE_BACKS times in this
+        worker, charged (a handler that ends its own session as an outage would ran again for ever)."""
+        why = f"{LOST_UNDER_HANDLER} (SQLSTATE {cause})" if cause else LOST_UNDER_HANDLER
+        if _ended_by_job(cause):
+            return HandlerFailure(raised or psycopg.OperationalError(why))
+        times = self.w.given_back_for_errors(ex.job["id"])
+        if times > MAX_UNCHARGED_GIVE_BACKS:
+            ex.ctx.logger.warning("%s, %d times: charged", why, times)
+            return HandlerFailure(raised or psycopg.OperationalError(why))
+        return LostUnderHandler(why)
+
     def _begin_handler(self, ex: Execution, grace_margin: float = 0.0) -> None:
         """From here the watchdog enforces the job's timeout (see Worker._watchdog_main)."""
         ex.slot = self
@@ -1725,6 +1825,7 @@ class Slot:
             name = self.w.config.application_name
             opened = await db.aconnect(self.w.dsn, application_name=name, cls=AsyncJobConnection)
             cast(AsyncJobConnection, opened).slot = self
+            opened.add_notice_handler(_on_fatal(cast(AsyncJobConnection, opened)))
             opened.cursor_factory = AsyncJobCursor
             cast(AsyncJobConnection, opened).backend_pid = opened.info.backend_pid
             self._aconn = opened
@@ -1797,16 +1898,20 @@ class Slot:
                 # task cancelled, or raised CancelledError): not a success, nothing of it commits
                 raise HandlerFailure(asyncio.CancelledError("the handler's task ended cancelled"))
             failure = handler.exception()
-            if failure is not None:
-                raise HandlerFailure(failure)
-            if ctx.tx_used or job["idempotency_key"]:
+            cause = None
+            if (ctx.tx_used or job["idempotency_key"]) and (failure is None or _is_db_error(failure)):
                 # under the connection's lock: a statement one of its tasks still has in flight gets its
                 # reply first (read here, it would be taken from under that statement, which then waits
                 # for ever)
                 async with aconn.lock:
-                    lost = _lost_under_handler(aconn)
-                if lost:
-                    raise HandlerFailure(psycopg.OperationalError(LOST_UNDER_HANDLER))
+                    cause = _lost_under_handler(aconn)
+            if failure is not None:
+                if cause is not None and not _ended_by_job(cause):
+                    # it raised what its lost connection gave it: an outage is not its failure
+                    raise self._lost_under(ex, cause, failure) from failure
+                raise HandlerFailure(failure)
+            if cause is not None:
+                raise self._lost_under(ex, cause)
             if aconn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INERROR:
                 raise HandlerFailure(_swallowed_error())
             if not ctx.tx_used and not job["idempotency_key"]:

@@ -35,10 +35,13 @@ def ok(ctx: JobContext, payload: dict[str, Any]) -> None:
     "t.ledger", retry=FAST, timeout=20, requires_idempotency_key=True, reason="tests need fast, bounded retries"
 )
 def ledger(ctx: JobContext, payload: dict[str, Any]) -> None:
-    """Writes its effect through ctx.tx, then fails afterwards on the first attempts if asked."""
+    """Writes its effect through ctx.tx, then fails afterwards on the first attempts if asked. With ``sleep``,
+    sleeps that long after its write (and writes again after it with ``write_again``)."""
     _ledger(ctx, payload)
     if payload.get("sleep"):
         time.sleep(payload["sleep"])
+        if payload.get("write_again"):
+            _ledger(ctx, payload)
     if ctx.attempt <= payload.get("fail_after_write", 0):
         raise TransientError("failed after writing")
 
@@ -468,7 +471,7 @@ def idle_quiet(ctx: JobContext, payload: dict[str, Any]) -> None:
     if ctx.attempt == 1:
         time.sleep(1.2)
         if payload.get("swallow"):
-            with contextlib.suppress(psycopg.OperationalError):  # a "best effort" write
+            with contextlib.suppress(psycopg.Error):  # a "best effort" write
                 _ledger(ctx, payload)
 
 
@@ -682,3 +685,32 @@ def exit_code(ctx: JobContext, payload: dict[str, Any]) -> None:
 async def async_to_thread(ctx: JobContext, payload: dict[str, Any]) -> None:
     """Awaits a blocking call on the event loop's default executor: cancelled, the thread sleeps on."""
     await asyncio.to_thread(time.sleep, payload["seconds"])
+
+
+@worker_core.task("t.async_ledger", retry=FAST, timeout=20, reason="tests need fast, bounded retries")
+async def async_ledger(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """t.ledger for async handlers: writes its effect through ctx.tx, then sleeps ``sleep`` seconds, its
+    transaction open (and writes again after it with ``write_again``)."""
+    await ctx.tx.execute(
+        "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
+        (ctx.job_id, payload.get("item", "x"), ctx.attempt),
+    )
+    await asyncio.sleep(payload.get("sleep", 0.0))
+    if payload.get("write_again"):
+        await ctx.tx.execute(
+            "INSERT INTO ledger (job_id, item, attempt) VALUES (%s, %s, %s)",
+            (ctx.job_id, payload.get("item", "x"), ctx.attempt),
+        )
+
+
+@worker_core.task("t.own_end", retry=FAST, timeout=20, max_attempts=2, reason="tests need fast, bounded retries")
+def own_end(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Writes through ctx.tx, then ends its own session the way an outage would, and swallows what that
+    raised: ``how`` "terminate" (its backend terminated by itself: FATAL 57P01, as a restart sends) or
+    "finish" (its connection closed under psycopg: no SQLSTATE, as a network cut)."""
+    _ledger(ctx, payload)
+    if payload["how"] == "terminate":
+        with contextlib.suppress(psycopg.Error):
+            ctx.tx.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    else:
+        ctx.tx.pgconn.finish()

@@ -9,12 +9,14 @@ innocent jobs grouped with it with it.
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any
 
 import pytest
 
-from tests.worker_core.helpers import WorkerThread, job, ledger, run_burst, state
+from tests.worker_core.helpers import WorkerThread, job, ledger, metric, run_burst, running_worker, state, wait_for
 from worker_core import db
+from worker_core.execution import MAX_UNCHARGED_GIVE_BACKS
 from worker_core.producer import enqueue
 from worker_core.worker import Worker
 
@@ -147,8 +149,9 @@ def test_a_connection_lost_during_a_quiet_handler_charges_it_not_the_next_job(ds
     quiet = enqueue(conn, "t.idle_quiet", {"item": "q"}, priority=0).id
     nxt = enqueue(conn, "t.ledger", {"item": "n"}, idempotency_key="n1", priority=1).id
     conn.commit()
-    run_grouped(dsn, ("t.idle_quiet", "t.ledger"))
+    w = run_grouped(dsn, ("t.idle_quiet", "t.ledger"))
     assert (state(dsn, quiet), job(dsn, quiet)["attempts"]) == ("succeeded", 2)
+    assert quiet not in w._given_back  # its idle timeout (25P03) is its own doing, no outage: charged at once
     assert (state(dsn, nxt), job(dsn, nxt)["errors"]) == ("succeeded", [])
 
 
@@ -161,6 +164,7 @@ def test_a_handler_that_swallows_its_lost_connection_is_charged_not_looped(
     w = run_grouped(dsn, ("t.idle_quiet",)) if grouped else run_burst(dsn, group_max=1)
     assert (state(dsn, j), job(dsn, j)["attempts"]) == ("succeeded", 2)
     assert w._ungrouped == set()  # a lost connection is not an error of a job's writes
+    assert j not in w._given_back  # the error it swallowed said 25P03, its own doing: charged at once
 
 
 def test_a_database_restart_is_an_outage_not_an_error_of_the_jobs(dsn: str, conn: db.Conn) -> None:
@@ -511,3 +515,79 @@ def test_an_async_jobs_slow_commit_is_no_part_of_its_timeout(dsn: str, conn: db.
     conn.commit()
     run_burst(dsn, cancel_grace=0.2)
     assert (state(dsn, j), job(dsn, j)["attempts"]) == ("succeeded", 1), job(dsn, j)["errors"]
+
+
+def _fail_over(dsn: str) -> None:
+    """What a restart or a failover does to every session of this test's database (never another's: other
+    tests share the server): FATAL 57P01 (admin_shutdown), then the socket closed."""
+    with db.connect(dsn, autocommit=True) as c:
+        ended = c.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        ).fetchall()
+    assert ended
+
+
+def _uncharged_success(dsn: str, j: Any, *items: str) -> None:
+    row = job(dsn, j)
+    assert (row["state"], row["attempts"], row["errors"]) == ("succeeded", 1, []), row["last_error"]
+    assert [r["item"] for r in ledger(dsn) if r["job_id"] == j] == list(items)  # the lost attempt's rolled back
+
+
+@pytest.mark.parametrize("write_again", [False, True], ids=["returns", "raises"])
+@pytest.mark.parametrize("job_type", ["t.ledger", "t.async_ledger"], ids=["sync", "async"])
+def test_a_failover_while_a_handler_runs_gives_its_job_back_uncharged(
+    dsn: str, conn: db.Conn, job_type: str, write_again: bool
+) -> None:
+    # the server ended every session while the job's handler ran in its transaction (its idempotency
+    # record and write in it): the job was charged an attempt, an anomaly ("the connection of the job's
+    # transaction was lost while its handler ran"), and on its last one dead-lettered by the outage. Also
+    # when the handler's next write raised what the lost connection gave it (AdminShutdown, 57P01)
+    payload = {"item": "x", "sleep": 2.0, "write_again": write_again}
+    j = enqueue(conn, job_type, payload, idempotency_key="fo-1", max_attempts=1).id
+    with running_worker(dsn, group_max=1):
+        wait_for(lambda: state(dsn, j) == "running", 10)
+        time.sleep(0.7)  # the handler is in its sleep, its transaction open
+        _fail_over(dsn)
+        wait_for(lambda: state(dsn, j) not in ("running", "queued"), 30)
+    _uncharged_success(dsn, j, *(["x", "x"] if write_again else ["x"]))
+    assert metric(dsn, "anomalies") == 0
+
+
+@pytest.mark.parametrize("write_again", [False, True], ids=["returns", "raises"])
+def test_a_failover_while_a_grouped_handler_runs_gives_the_whole_group_back_uncharged(
+    dsn: str, conn: db.Conn, write_again: bool
+) -> None:
+    # the same in a group: the job whose handler ran was charged (and dead-lettered on its last attempt),
+    # the others given back
+    with running_worker(dsn, **GROUPED) as w:
+        w.observe_handler("t.ledger", 0.01)
+        with conn.transaction():  # claimed together
+            ids = [
+                enqueue(conn, "t.ledger", {"item": item, "sleep": 2.0 * (item == "b"), "write_again": write_again},
+                        idempotency_key=f"fo-{item}", max_attempts=1, priority=n).id
+                for n, item in enumerate("abc")
+            ]  # fmt: skip
+        wait_for(lambda: state(dsn, ids[1]) == "running", 10)
+        time.sleep(0.7)  # b is in its sleep, a done before it in the group's transaction, c waiting
+        _fail_over(dsn)
+        wait_for(lambda: all(state(dsn, j) not in ("running", "queued") for j in ids), 30)
+        assert w.groups
+    for j, item in zip(ids, "abc", strict=True):
+        _uncharged_success(dsn, j, *([item, item] if write_again and item == "b" else [item]))
+    assert metric(dsn, "anomalies") == 0
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "grouped"])
+@pytest.mark.parametrize("how", ["terminate", "finish"])
+def test_a_handler_that_ends_its_session_as_an_outage_would_is_given_back_a_bounded_number_of_times(
+    dsn: str, conn: db.Conn, how: str, grouped: bool
+) -> None:
+    # an outage, for all the worker can tell: given back uncharged, but not for ever (MAX_UNCHARGED_GIVE_BACKS
+    # per job and worker), then charged each time, and dead-lettered in the end
+    j = enqueue(conn, "t.own_end", {"item": "o", "how": how}).id
+    w = run_grouped(dsn, ("t.own_end",)) if grouped else run_burst(dsn, group_max=1)
+    row = job(dsn, j)
+    assert (row["state"], row["attempts"]) == ("dead_lettered", 2)
+    assert w._given_back[j] == MAX_UNCHARGED_GIVE_BACKS + 2  # 3 times uncharged, then charged both attempts
+    assert all("lost while its handler ran" in e["message"] for e in row["errors"]), row["errors"]
