@@ -21,25 +21,27 @@ from tests.qconsole.conftest import FakeBackend, fake_app  # noqa: E402
 
 WIDE = (120, 36)
 NARROW = (80, 24)
-#: file name -> (terminal size, keys pressed after start, break the database first)
-SHOTS: dict[str, tuple[tuple[int, int], Sequence[str], bool]] = {
-    "overview": (WIDE, (), False),
-    "overview-80x24": (NARROW, (), False),
-    "jobs": (WIDE, ("j",), False),
-    "job-detail": (WIDE, ("j", "enter"), False),
-    "dead-letters": (WIDE, ("d", "space"), False),
-    "dead-letters-80x24": (NARROW, ("d",), False),
-    "confirm-requeue": (WIDE, ("d", "space", "space", "r"), False),
-    "charts": (WIDE, ("c",), False),
-    "workers": (WIDE, ("w",), False),
-    "audit": (WIDE, ("a",), False),
-    "job-types": (WIDE, ("t", "down"), False),
-    "help": (WIDE, ("question_mark",), False),
-    "outage": (WIDE, (), True),
+#: file name -> (terminal size, keys pressed after start, break the database first: "outage" (unreachable) or
+#: "refused" (it answers every read with an error), or nothing)
+SHOTS: dict[str, tuple[tuple[int, int], Sequence[str], str]] = {
+    "overview": (WIDE, (), ""),
+    "overview-80x24": (NARROW, (), ""),
+    "jobs": (WIDE, ("j",), ""),
+    "job-detail": (WIDE, ("j", "enter"), ""),
+    "dead-letters": (WIDE, ("d", "space"), ""),
+    "dead-letters-80x24": (NARROW, ("d",), ""),
+    "confirm-requeue": (WIDE, ("d", "space", "space", "r"), ""),
+    "charts": (WIDE, ("c",), ""),
+    "workers": (WIDE, ("w",), ""),
+    "audit": (WIDE, ("a",), ""),
+    "job-types": (WIDE, ("t", "down"), ""),
+    "help": (WIDE, ("question_mark",), ""),
+    "outage": (WIDE, (), "outage"),
+    "reads-failing": (WIDE, (), "refused"),
 }
 
 
-async def shoot(name: str, size: tuple[int, int], keys: Sequence[str], outage: bool, out: Path) -> Path:
+async def shoot(name: str, size: tuple[int, int], keys: Sequence[str], broken: str, out: Path) -> Path:
     backend = FakeBackend()
     app = fake_app(backend)
     async with app.run_test(size=size) as pilot:
@@ -50,8 +52,9 @@ async def shoot(name: str, size: tuple[int, int], keys: Sequence[str], outage: b
                 await pilot.pause()
 
         await settle()
-        if outage:
-            backend.fail_reads = True
+        if broken:
+            backend.fail_reads = broken == "outage"
+            backend.refuse_reads = broken == "refused"
             app.clock.advance(42)  # type: ignore[attr-defined]
             await pilot.press("ctrl+r")
             await settle()
@@ -65,8 +68,8 @@ async def shoot(name: str, size: tuple[int, int], keys: Sequence[str], outage: b
 
 async def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    for name, (size, keys, outage) in SHOTS.items():
-        path = await shoot(name, size, keys, outage, out)
+    for name, (size, keys, broken) in SHOTS.items():
+        path = await shoot(name, size, keys, broken, out)
         print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
