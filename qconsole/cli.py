@@ -92,30 +92,43 @@ def connect(
     except psycopg.Error as e:  # unreachable, or a DSN libpq cannot parse (its error quotes it)
         fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
     try:
-        pending = pending_migrations(conn)
-        if pending:
-            if configured is None and not _ROOT["read_only"]:
-                # the embedded server is ours: bring its schema up to date (a first `qconsole stats` too)
-                try:
-                    with db.connect(target, application_name="qconsole-migrate") as mconn:
-                        run_migrations(mconn, on_wait=_say_lock_wait)
-                except MigrationFailed as e:
-                    _migration_failed(e, target)
-            else:
-                names = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
-                fail(f"the database needs migrations ({names}): run `qconsole migrate`", 3)
-        changed = changed_migrations(conn)
-        if changed:
-            # workers refuse to start on such a schema (forward-only); an operator's command is only warned
-            names = ", ".join(f"{m.version:04d}_{m.name}" for m in changed)
-            why = f"migrations {names} differ from what this database applied: this qconsole is not the version"
-            if for_workers:
-                fail(f"{why} that migrated it: its workers refuse to start", 3)
-            typer.echo(f"warning: {why} that migrated it (workers of it refuse to start)", err=True)
-        _warn_if_newer(conn)
+        try:
+            _check_schema(conn, target, configured, for_workers)
+        except psycopg.errors.InsufficientPrivilege as e:
+            # a role granted nothing (or not SELECT) on the queue's tables: a traceback from every command
+            fail(
+                f"this role cannot read the queue's tables: {db.redact(str(e).strip(), target)}; grant it SELECT"
+                " on them (and INSERT, UPDATE, DELETE to act or run workers), or use the schema owner's role",
+                1,
+            )
         yield conn
     finally:
         conn.close()
+
+
+def _check_schema(conn: db.Conn, target: str, configured: str | None, for_workers: bool) -> None:
+    """Migrations pending (applied here on the embedded server), changed, or newer than this code's."""
+    pending = pending_migrations(conn)
+    if pending:
+        if configured is None and not _ROOT["read_only"]:
+            # the embedded server is ours: bring its schema up to date (a first `qconsole stats` too)
+            try:
+                with db.connect(target, application_name="qconsole-migrate") as mconn:
+                    run_migrations(mconn, on_wait=_say_lock_wait)
+            except MigrationFailed as e:
+                _migration_failed(e, target)
+        else:
+            names = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
+            fail(f"the database needs migrations ({names}): run `qconsole migrate`", 3)
+    changed = changed_migrations(conn)
+    if changed:
+        # workers refuse to start on such a schema (forward-only); an operator's command is only warned
+        names = ", ".join(f"{m.version:04d}_{m.name}" for m in changed)
+        why = f"migrations {names} differ from what this database applied: this qconsole is not the version"
+        if for_workers:
+            fail(f"{why} that migrated it: its workers refuse to start", 3)
+        typer.echo(f"warning: {why} that migrated it (workers of it refuse to start)", err=True)
+    _warn_if_newer(conn)
 
 
 def guarded(fn: Callable[[], T]) -> T:

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -982,3 +982,38 @@ def test_migrate_gives_up_after_lock_wait_when_another_session_holds_the_migrati
     assert f"\n  pid {pid} (idle" in out, out
     assert "did not get the migration lock within --lock-wait 1s, nothing of it was applied" in out, out
     assert "applied 9001_extra" in cli("migrate").output
+
+
+# ------------------------------------------------------------------ errors an operator met as tracebacks
+
+
+@pytest.fixture
+def role_dsn(dsn: str, conn: db.Conn) -> Iterator[Callable[[str], str]]:
+    """``role_dsn("SELECT")``: a DSN for a new role granted that on every table (``""``: nothing)."""
+    from psycopg.conninfo import make_conninfo
+
+    roles: list[str] = []
+
+    def make(grant: str) -> str:
+        role = f"qc_role_{uuid.uuid4().hex[:8]}"
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        if grant:
+            conn.execute(f"GRANT {grant} ON ALL TABLES IN SCHEMA public TO {role}")
+        roles.append(role)
+        return make_conninfo(dsn, user=role)
+
+    yield make
+    for role in roles:
+        conn.execute(f"DROP OWNED BY {role}")
+        conn.execute(f"DROP ROLE {role}")
+
+
+def test_a_role_granted_nothing_on_the_tables_is_told_so_not_shown_a_traceback(cli: Any, role_dsn: Any) -> None:
+    # reading worker_core_migrations (before any command ran) raised InsufficientPrivilege: a traceback, exit 1
+    nothing = role_dsn("")
+    for args in (["stats"], ["jobs", "--json"], ["kill", str(uuid.uuid4())], ["worker", "--tasks",
+                 "tests.worker_core.tasks", "--burst"]):  # fmt: skip
+        result = cli(*args, "--dsn", nothing, code=1)
+        assert isinstance(result.exception, SystemExit), result.exception
+        assert "this role cannot read the queue's tables: permission denied" in result.output
+        assert "grant it SELECT" in result.output and "schema owner's role" in result.output
