@@ -202,6 +202,18 @@ def _import_tasks(modules: Sequence[str]) -> None:
         fail(f"cannot import task module: {e}", 2)
     except ValueError as e:  # EnvelopeError and PolicyError among them
         fail(f"a task module's @task is refused: {e}", 2)
+    except Exception as e:  # a SyntaxError, a KeyError of a setting it reads at import...: a traceback, exit 1
+        fail(f"cannot import task module {_failing_module(e, modules)}: {type(e).__name__}: {e}", 2)
+
+
+def _failing_module(error: BaseException, modules: Sequence[str]) -> str:
+    """The task module (of those named, imported in order) whose import raised ``error``: the first not in
+    sys.modules (a failed import leaves none), else the file the error points at."""
+    for name in (m.strip() for m in modules):
+        if name and name not in sys.modules:
+            return repr(name)
+    filename = getattr(error, "filename", None)
+    return repr(filename) if filename else ", ".join(repr(m.strip()) for m in modules if m.strip())
 
 
 def parse_json_object(text: str, what: str) -> dict[str, Any]:
@@ -816,14 +828,14 @@ def policies(
 
     Without --tasks: as the running workers registered it (read from the database)."""
     from worker_core import policy
-    from worker_core.registry import import_task_modules, registry
+    from worker_core.registry import registry
 
     try:
         deployment = policy.current()
-        if tasks:
-            import_task_modules(tasks.split(","))
-    except (policy.PolicyError, ImportError) as e:
+    except policy.PolicyError as e:
         fail(str(e), 2)
+    if tasks:
+        _import_tasks(tasks.split(","))  # exit 2 for a module that does not import, or an @task refused
     queues = {q: {"values": layer.values, "reason": layer.reason} for q, layer in deployment.queues.items()}
     if tasks:
         output.policies([t.contract() for t in registry], as_json, deployment.source, queues)

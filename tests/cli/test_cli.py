@@ -1017,3 +1017,36 @@ def test_a_role_granted_nothing_on_the_tables_is_told_so_not_shown_a_traceback(c
         assert isinstance(result.exception, SystemExit), result.exception
         assert "this role cannot read the queue's tables: permission denied" in result.output
         assert "grant it SELECT" in result.output and "schema owner's role" in result.output
+
+
+@pytest.fixture
+def broken_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``syntax_error_tasks``, importable by name; and tests.cli.tasks_need_config without its setting."""
+    (tmp_path / "syntax_error_tasks.py").write_text("import worker_core\n\ndef broken(:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("TASKS_NEED_CONFIG_SETTINGS_URL", raising=False)
+    yield
+    for name in ("syntax_error_tasks", "tests.cli.tasks_need_config"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    ("module", "error"),
+    [("syntax_error_tasks", "SyntaxError"), ("tests.cli.tasks_need_config", "KeyError: 'TASKS_NEED_CONFIG")],
+)
+@pytest.mark.parametrize("command", [["worker", "--burst"], ["enqueue", "t.ok"], ["policies"]])
+def test_a_task_module_that_raises_at_import_is_bad_input_naming_it(
+    cli: Any, broken_tasks: None, module: str, error: str, command: list[str]
+) -> None:
+    # only ImportError was caught: a SyntaxError or a KeyError of a setting read at import was a traceback,
+    # exit 1 (which --processes and the console's embedded workers take for a crash, and restart)
+    result = cli(*command, "--tasks", module, code=2)
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert f"cannot import task module '{module}': {error}" in result.output, result.output
+
+
+def test_policies_with_a_task_the_registry_refuses_is_bad_input(cli: Any, refused_tasks: Path) -> None:
+    # policies --tasks imported the modules itself: a refused @task was a traceback (EnvelopeError), exit 1
+    result = cli("policies", "--tasks", "zero_concurrency_tasks", code=2)
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "@task is refused" in result.output
