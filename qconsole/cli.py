@@ -751,7 +751,12 @@ def requeue(
     dsn: DsnOpt = None,
 ) -> None:
     """Put jobs back to queued with a fresh budget; the history stays."""
-    new_payload = parse_json_object(payload, "--payload") if payload else None
+    if payload is not None and not payload.strip():
+        # a runbook's "$FIXED" that was never set: the job was requeued with its old payload, exit 0
+        fail("--payload is empty (an unset variable?): give the JSON object to write, or leave --payload out", 2)
+    if same_payload and payload is None:
+        fail("--same-payload writes --payload into every job named: give --payload too", 2)
+    new_payload = parse_json_object(payload, "--payload") if payload is not None else None
     with connect(dsn) as conn:
         result = guarded(
             lambda: ops.requeue(

@@ -1008,6 +1008,17 @@ def role_dsn(dsn: str, conn: db.Conn) -> Iterator[Callable[[str], str]]:
         conn.execute(f"DROP ROLE {role}")
 
 
+def dead_letter(conn: db.Conn, payload_sql: str = "'{}'") -> str:
+    """A dead-lettered job of type t.ok, its payload written in SQL (what another producer may write)."""
+    row = conn.execute(
+        "INSERT INTO job_queue (id, job_type, queue, payload, state, attempts, max_attempts, finished_at)"  # noqa: S608
+        f" VALUES (gen_random_uuid(), 't.ok', 'default', {payload_sql}::jsonb, 'dead_lettered', 1, 1, now())"
+        " RETURNING id"
+    ).fetchone()
+    assert row is not None
+    return str(row["id"])
+
+
 def test_a_role_granted_nothing_on_the_tables_is_told_so_not_shown_a_traceback(cli: Any, role_dsn: Any) -> None:
     # reading worker_core_migrations (before any command ran) raised InsufficientPrivilege: a traceback, exit 1
     nothing = role_dsn("")
@@ -1050,3 +1061,12 @@ def test_policies_with_a_task_the_registry_refuses_is_bad_input(cli: Any, refuse
     result = cli("policies", "--tasks", "zero_concurrency_tasks", code=2)
     assert isinstance(result.exception, SystemExit), result.exception
     assert "@task is refused" in result.output
+
+
+def test_requeue_with_an_empty_payload_is_refused_not_ignored(cli: Any, conn: db.Conn) -> None:
+    # a runbook's --payload "$FIXED" with FIXED never set: requeued with the old payload, exit 0
+    jid = dead_letter(conn, """'{"bad": true}'""")
+    assert "--payload is empty" in cli("requeue", jid, "--payload", "", "--reason", "fix", code=2).output
+    assert "give --payload too" in cli("requeue", jid, "--same-payload", code=2).output
+    assert stats.get_job(conn, jid).state.value == "dead_lettered"
+    assert stats.get_job(conn, jid).payload == {"bad": True}
