@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import sys
 from typing import Any
 
@@ -28,7 +29,27 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
 
 
 def _json(value: Any) -> None:
-    print(json.dumps(to_jsonable(value), indent=2, sort_keys=False, default=str))
+    print(_dumps(to_jsonable(value)))
+
+
+def _dumps(value: Any) -> str:
+    """JSON that every parser takes (jq, JSON.parse, json.loads(strict)): never NaN or Infinity."""
+    return json.dumps(_finite(value), indent=2, sort_keys=False, default=str, allow_nan=False)
+
+
+#: what a number of a payload that a float cannot hold is written as: jsonb holds any numeric exactly
+#: (1e400, from another producer or a fix in SQL), Python's json reads it as Infinity, which is no JSON
+OUT_OF_FLOAT_RANGE = "(a number out of float range: {})"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return OUT_OF_FLOAT_RANGE.format(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _row(table: Table, *cells: Any) -> None:
@@ -64,7 +85,7 @@ def job(j: Job, lock: dict[str, Any] | None, as_json: bool) -> None:
     if as_json:
         out = to_jsonable(j)
         out["lock"] = to_jsonable(lock) if lock else None
-        print(json.dumps(out, indent=2, default=str))
+        print(_dumps(out))
         return
     t = Table(box=None, show_header=False, pad_edge=False)
     t.add_column(style="bold")

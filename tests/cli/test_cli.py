@@ -1070,3 +1070,16 @@ def test_requeue_with_an_empty_payload_is_refused_not_ignored(cli: Any, conn: db
     assert "give --payload too" in cli("requeue", jid, "--same-payload", code=2).output
     assert stats.get_job(conn, jid).state.value == "dead_lettered"
     assert stats.get_job(conn, jid).payload == {"bad": True}
+
+
+@pytest.mark.parametrize("command", ["job", "jobs"])
+def test_json_output_stays_json_with_a_number_a_float_cannot_hold(cli: Any, conn: db.Conn, command: str) -> None:
+    # jsonb holds 1 followed by 400 zeros, and .5, exactly; Python reads it as inf, and --json printed Infinity
+    jid = dead_letter(conn, """('{"amount": 1' || repeat('0', 400) || '.5, "n": 2}')""")
+
+    def strict(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    out = json.loads(cli(command, *([jid] if command == "job" else []), "--json").stdout, parse_constant=strict)
+    found = out if command == "job" else out[0]
+    assert found["payload"] == {"amount": "(a number out of float range: inf)", "n": 2}
