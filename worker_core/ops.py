@@ -74,9 +74,23 @@ def payload_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, di
 
 
 def ensure_writable(conn: Conn) -> None:
+    """Refuse (ReadOnlyError, nothing written) on a read-only session. The console's and the CLI's own
+    --read-only refuse before they get here: this one is the server's or the session's doing (a replica,
+    default_transaction_read_only), and blaming a flag nobody gave sent the operator looking for it."""
     row = conn.execute(queries["is_read_only"]).fetchone()
     if row and row["ro"]:
-        raise ReadOnlyError("read-only mode: operator actions are refused (restart without --read-only)")
+        raise ReadOnlyError(f"operator actions are refused, nothing changed: {read_only_reason(conn)}")
+
+
+def read_only_reason(conn: Conn) -> str:
+    """Why a session is read-only: the server is a replica, or the session was made so."""
+    row = conn.execute("SELECT pg_is_in_recovery() AS recovery").fetchone()
+    if row and row["recovery"]:
+        return "the server is read-only (a replica, in recovery): run it against the primary"
+    return (
+        "this session is read-only (default_transaction_read_only is on for this role, database or DSN, or the"
+        " server is a replica): run it against the primary, as a role that may write"
+    )
 
 
 def _ids(job_ids: Iterable[uuid.UUID | str]) -> list[uuid.UUID]:

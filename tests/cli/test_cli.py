@@ -1083,3 +1083,13 @@ def test_json_output_stays_json_with_a_number_a_float_cannot_hold(cli: Any, conn
     out = json.loads(cli(command, *([jid] if command == "job" else []), "--json").stdout, parse_constant=strict)
     found = out if command == "job" else out[0]
     assert found["payload"] == {"amount": "(a number out of float range: inf)", "n": 2}
+
+
+def test_a_read_only_server_is_not_blamed_on_the_read_only_flag(cli: Any, conn: db.Conn, dsn: str) -> None:
+    from psycopg.conninfo import make_conninfo
+
+    jid = dead_letter(conn)
+    read_only = make_conninfo(dsn, options="-c default_transaction_read_only=on")
+    out = cli("requeue", jid, "--dsn", read_only, code=1).output
+    assert "--read-only" not in out and "this session is read-only" in out and "against the primary" in out
+    assert "drop --read-only" in cli("--read-only", "requeue", jid, code=1).output  # the flag given: said so
