@@ -21,6 +21,7 @@ import typer
 
 from qconsole import output
 from worker_core import db, ops, stats
+from worker_core.envelope import DEFAULT_QUEUE, QUEUE_RE
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
 from worker_core.migrate import (
     LockHolder,
@@ -32,6 +33,7 @@ from worker_core.migrate import (
 )
 from worker_core.migrate import migrate as run_migrations
 from worker_core.models import ActionResult, JobState
+from worker_core.sql import queries
 
 app = typer.Typer(
     name="qconsole",
@@ -519,6 +521,46 @@ def _tell(status_fd: int | None, what: bytes) -> None:
             os.write(status_fd, what + b"\n")
 
 
+#: what a worker writes (claims, settles, heartbeats): a role without one of these on them cannot work
+WORKER_WRITES = tuple((t, p) for t in ("job_queue", "workers") for p in ("SELECT", "INSERT", "UPDATE", "DELETE"))
+
+
+def _cannot_work(conn: db.Conn) -> str | None:
+    """Why a worker could not claim or settle a job on this connection's server as this role, or None."""
+    row = conn.execute("SELECT current_setting('transaction_read_only') = 'on' AS ro").fetchone()
+    if row and row["ro"]:
+        return ops.read_only_reason(conn)
+    missing = []
+    for table, privilege in WORKER_WRITES:
+        held = conn.execute("SELECT has_table_privilege(%s, %s) AS ok", (table, privilege)).fetchone()
+        if not (held and held["ok"]):
+            missing.append(f"{privilege} on {table}")
+    if missing:
+        return (
+            f"this role may not write the queue's tables (it lacks {', '.join(missing)}): grant them, or run the"
+            " worker as a role that has them"
+        )
+    return None
+
+
+def _warn_of_new_queues(conn: db.Conn, queues: Sequence[str]) -> None:
+    """A --queue no job, worker, pause or registered type names yet: a typo works nothing, silently. Said,
+    not refused: a worker may be started before the first job of its queue is enqueued."""
+    from worker_core.registry import registry
+
+    own = {t.contract().queue for t in registry}
+    for q in dict.fromkeys(queues):
+        if q == DEFAULT_QUEUE or q in own:
+            continue
+        found = conn.execute(queries["queue_known"], {"queue": q}).fetchone()
+        if found is not None and not found["known"]:
+            typer.echo(
+                f"warning: no job, worker, pause or task names queue {q!r} yet: check its spelling (the worker"
+                " starts, and works it once jobs come)",
+                err=True,
+            )
+
+
 @app.command()
 def worker(
     tasks: Annotated[str, typer.Option("--tasks", help="MODULE[,MODULE]: modules with @task handlers.")],
@@ -588,10 +630,19 @@ def worker(
         fail(f"--metrics-port {metrics_port} with --processes {processes}: process {processes - 1} would serve"
              f" port {last}, past 65535", 2)  # fmt: skip
     setup_logging(log_format, log_level)
+    bad_queue = next((q for q in queue or () if not QUEUE_RE.match(q)), None)
+    if bad_queue is not None:
+        fail(f"--queue {bad_queue!r} is not a queue name (letters, digits, _ . : -)", 2)
     modules = tuple(m.strip() for m in tasks.split(",") if m.strip())
     _import_tasks(modules)
-    with connect(dsn, for_workers=True):
-        pass  # reachable and migrated, by this version, before any process starts
+    with connect(dsn, for_workers=True) as conn:
+        # reachable and migrated, by this version, before any process starts; and writable: a worker on a
+        # replica or as a role that may only read claimed nothing and said so once a second, for ever
+        # (--burst too), and --processes and the console's workers read its end as a crash to restart
+        refusal = guarded(lambda: _cannot_work(conn))
+        if refusal:
+            fail(f"the worker cannot run here: {refusal}", 1)
+        _warn_of_new_queues(conn, queue or ())
     try:
         retention = Retention(
             succeeded_seconds=parse_duration(retention_succeeded),

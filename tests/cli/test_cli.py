@@ -1085,6 +1085,19 @@ def test_json_output_stays_json_with_a_number_a_float_cannot_hold(cli: Any, conn
     assert found["payload"] == {"amount": "(a number out of float range: inf)", "n": 2}
 
 
+def test_a_worker_that_could_not_write_ends_at_once_with_why(cli: Any, dsn: str, role_dsn: Any) -> None:
+    # it checked reachability and migrations only, then claimed nothing, once a second, for ever (--burst too)
+    from psycopg.conninfo import make_conninfo
+
+    worker = ("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--poll-interval", "0.1")
+    read_only = make_conninfo(dsn, options="-c default_transaction_read_only=on")
+    out = cli(*worker, "--dsn", read_only, code=1).output
+    assert "the worker cannot run here: this session is read-only" in out and "against the primary" in out
+    out = cli(*worker, "--dsn", role_dsn("SELECT"), code=1).output
+    assert "this role may not write the queue's tables (it lacks INSERT on job_queue, UPDATE on job_queue" in out
+    assert "exited" not in cli(*worker, "--dsn", role_dsn("SELECT, INSERT, UPDATE, DELETE")).output
+
+
 def test_a_read_only_server_is_not_blamed_on_the_read_only_flag(cli: Any, conn: db.Conn, dsn: str) -> None:
     from psycopg.conninfo import make_conninfo
 
@@ -1093,3 +1106,11 @@ def test_a_read_only_server_is_not_blamed_on_the_read_only_flag(cli: Any, conn: 
     out = cli("requeue", jid, "--dsn", read_only, code=1).output
     assert "--read-only" not in out and "this session is read-only" in out and "against the primary" in out
     assert "drop --read-only" in cli("--read-only", "requeue", jid, code=1).output  # the flag given: said so
+
+
+def test_a_worker_refuses_a_queue_name_pause_would_refuse_and_warns_of_a_new_one(cli: Any) -> None:
+    worker = ("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--poll-interval", "0.1")
+    assert "'Billing!' is not a queue name" in cli(*worker, "--queue", "Billing!", code=2).output
+    result = cli(*worker, "--queue", "default", "--queue", "biling")
+    assert "no job, worker, pause or task names queue 'biling' yet" in result.stderr
+    assert "'default'" not in result.stderr
