@@ -32,7 +32,7 @@ from worker_core.migrate import (
     unknown_migrations,
 )
 from worker_core.migrate import migrate as run_migrations
-from worker_core.models import ActionResult, JobState
+from worker_core.models import ActionResult, DeadLetterGroups, JobState
 from worker_core.sql import queries
 
 app = typer.Typer(
@@ -759,6 +759,9 @@ def dead_letters(
         typer.Option("--state", help="dead_lettered, failed or retry_scheduled (repeat); default: the first two."),
     ] = None,
     as_json: JsonOpt = False,
+    every: Annotated[
+        bool, typer.Option("--all", help="Every group and every job id (else the 200 biggest, 1000 ids each).")
+    ] = False,
     dsn: DsnOpt = None,
 ) -> None:
     """Dead letters and failed jobs (what requeue takes), grouped by job type, error fingerprint and state."""
@@ -767,8 +770,23 @@ def dead_letters(
     if unknown:
         fail(f"unknown state {unknown[0]!r}: one of {', '.join(GROUPED_STATES)}", 2)
     with connect(dsn, read_only=True) as conn:
-        groups = guarded(lambda: stats.dead_letter_groups(conn, job_type=job_type, states=states))
+        limits: dict[str, Any] = {"limit": None, "max_ids": None} if every else {}
+        groups = guarded(lambda: stats.dead_letter_groups(conn, job_type=job_type, states=states, **limits))
     output.dead_letter_groups(groups, as_json)
+    if as_json:
+        _warn_if_subset(groups)
+
+
+def _warn_if_subset(groups: DeadLetterGroups) -> None:
+    """--json is what a script requeues from: a subset of the groups or of a group's ids, said on stderr (the
+    JSON keeps its shape, scripts read it)."""
+    groups_left = groups.total_groups - len(groups)
+    ids_left = sum(max(0, g.count - len(g.job_ids)) for g in groups)
+    if groups_left or ids_left:
+        left = ([f"{groups_left} group(s)"] if groups_left else []) + (
+            [f"{ids_left} job id(s) of the groups listed"] if ids_left else []
+        )
+        typer.echo(f"warning: this is a subset, left out: {' and '.join(left)}; --all lists every one", err=True)
 
 
 #: the states dead-letters groups (the console's d screen shows all three)

@@ -339,10 +339,11 @@ def dead_letter_groups(
     *,
     job_type: str | None = None,
     states: tuple[str, ...] = ("dead_lettered",),
-    limit: int = 200,
-    max_ids: int = 1000,
+    limit: int | None = 200,
+    max_ids: int | None = 1000,
 ) -> DeadLetterGroups:
-    """The biggest ``limit`` groups of jobs by type, error fingerprint and state, with what there is in all."""
+    """The biggest ``limit`` groups of jobs by type, error fingerprint and state, with what there is in all;
+    each with the ids of its newest ``max_ids`` jobs. None: every group, every id (`dead-letters --all`)."""
     rows = conn.execute(
         queries["dead_letter_groups"],
         {"states": list(states), "job_type": job_type, "limit": limit, "max_ids": max_ids},

@@ -1098,6 +1098,25 @@ def test_a_worker_that_could_not_write_ends_at_once_with_why(cli: Any, dsn: str,
     assert "exited" not in cli(*worker, "--dsn", role_dsn("SELECT, INSERT, UPDATE, DELETE")).output
 
 
+def test_dead_letters_json_says_on_stderr_when_it_is_a_subset_and_all_lists_every_one(
+    cli: Any, conn: db.Conn
+) -> None:
+    conn.execute(
+        "INSERT INTO job_queue (id, job_type, queue, payload, state, attempts, max_attempts, finished_at,"
+        " last_error, error_fingerprint)"
+        " SELECT gen_random_uuid(), 't.ok', 'default', '{}', 'dead_lettered', 1, 1, now(), 'E' || g,"
+        "  CASE WHEN g <= 1200 THEN 'big' ELSE 'fp' || g END FROM generate_series(1, 1450) g"
+    )  # one group of 1,200 jobs and 250 groups of one
+    result = cli("dead-letters", "--json")
+    data = json.loads(result.stdout)
+    assert len(data) == 200 and len(next(g for g in data if g["fingerprint"] == "big")["job_ids"]) == 1000
+    assert "left out: 51 group(s) and 200 job id(s) of the groups listed; --all lists every one" in result.stderr
+    result = cli("dead-letters", "--json", "--all")
+    data = json.loads(result.stdout)
+    assert len(data) == 251 and sum(len(g["job_ids"]) for g in data) == 1450
+    assert "subset" not in result.stderr
+
+
 def test_a_read_only_server_is_not_blamed_on_the_read_only_flag(cli: Any, conn: db.Conn, dsn: str) -> None:
     from psycopg.conninfo import make_conninfo
 
