@@ -935,14 +935,23 @@ def limit(
     dsn: DsnOpt = None,
 ) -> None:
     """Set (or --clear) a fleet-wide concurrency limit for a job type; with no number, list the limits."""
+    if clear and max_running is not None:
+        # `limit T 5 --clear` (a stray --clear) removed the limit, and said so, instead of setting it to 5
+        fail(f"--clear removes the limit: give {max_running} or --clear, not both (nothing changed)", 2)
     with connect(dsn, read_only=max_running is None and not clear) as conn:
         if clear:
             guarded(lambda: ops.clear_limit(conn, job_type, queue=queue, reason=reason))
             typer.echo(f"cleared the limit of {job_type} in {queue}")
         elif max_running is None:
-            for row in stats.limits(conn):
-                if row["job_type"] == job_type:
-                    typer.echo(f"{row['job_type']} {row['queue']} {row['max_running']} ({row['source']})")
+            rows = [row for row in guarded(lambda: stats.limits(conn)) if row["job_type"] == job_type]
+            for row in rows:
+                typer.echo(f"{row['job_type']} {row['queue']} {row['max_running']} ({row['source']})")
+            if not rows:
+                # it printed nothing, exit 0, for a type without a limit and for a misspelt one alike
+                known = guarded(lambda: conn.execute(queries["job_type_known"], {"job_type": job_type}).fetchone())
+                if not (known and known["known"]):
+                    fail(f"no worker has registered job type {job_type!r} and no job has it: check its spelling", 1)
+                typer.echo(f"no limit on {job_type}")
         else:
             n, allow, allow_queue = max_running, unknown_type, unknown_queue
             guarded(

@@ -1127,6 +1127,15 @@ def test_a_read_only_server_is_not_blamed_on_the_read_only_flag(cli: Any, conn: 
     assert "drop --read-only" in cli("--read-only", "requeue", jid, code=1).output  # the flag given: said so
 
 
+def test_limit_refuses_a_number_with_clear_and_says_when_a_type_has_no_limit(cli: Any, conn: db.Conn) -> None:
+    dead_letter(conn)
+    assert "no limit on t.ok" in cli("limit", "t.ok").output  # it printed nothing
+    cli("limit", "t.ok", "0", "--reason", "INC-1")
+    assert "not both" in cli("limit", "t.ok", "5", "--clear", code=2).output  # it cleared the limit, exit 0
+    assert "t.ok * 0" in cli("limit", "t.ok").output
+    assert "check its spelling" in cli("limit", "t.nope", code=1).output
+
+
 def test_a_worker_refuses_a_queue_name_pause_would_refuse_and_warns_of_a_new_one(cli: Any) -> None:
     worker = ("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--poll-interval", "0.1")
     assert "'Billing!' is not a queue name" in cli(*worker, "--queue", "Billing!", code=2).output
