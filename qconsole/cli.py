@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -729,6 +730,10 @@ def jobs(
 @app.command()
 def job(job_id: Annotated[str, typer.Argument()], as_json: JsonOpt = False, dsn: DsnOpt = None) -> None:
     """One job: envelope, payload and every attempt's error."""
+    try:
+        uuid.UUID(job_id)
+    except ValueError:
+        fail(f"{job_id!r} is not a job id", 2)  # bad input, as kill and requeue say it (not found: 1)
     with connect(dsn, read_only=True) as conn:
         found = guarded(lambda: stats.get_job(conn, job_id))
         lock = stats.job_lock(conn, found.id)

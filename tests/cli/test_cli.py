@@ -115,7 +115,7 @@ def test_reading_commands(cli: Any, conn: db.Conn) -> None:
     assert by_type["t.ok"]["queued"] == 1 and by_type["t.ok"]["queue"] == "q1"
     assert "t.ok" in cli("stats").stdout
     cli("job", str(uuid.uuid4()), code=1)
-    cli("job", "not-a-uuid", code=1)
+    cli("job", "not-a-uuid", code=2)  # bad input, as kill and requeue say it
     cli("jobs", "--state", "sleeping", code=2)
 
 
@@ -1134,6 +1134,11 @@ def test_limit_refuses_a_number_with_clear_and_says_when_a_type_has_no_limit(cli
     assert "not both" in cli("limit", "t.ok", "5", "--clear", code=2).output  # it cleared the limit, exit 0
     assert "t.ok * 0" in cli("limit", "t.ok").output
     assert "check its spelling" in cli("limit", "t.nope", code=1).output
+
+
+@pytest.mark.parametrize("command", ["job", "kill", "requeue"])
+def test_a_malformed_job_id_is_bad_input_for_every_command(cli: Any, command: str) -> None:
+    assert "'not-a-uuid' is not a job id" in cli(command, "not-a-uuid", code=2).output  # job: exit 1
 
 
 def test_a_worker_refuses_a_queue_name_pause_would_refuse_and_warns_of_a_new_one(cli: Any) -> None:
