@@ -44,6 +44,9 @@ STOP_MARGIN = 8.0
 STOP_SIGNAL = SUPERVISOR_STOP
 #: what ``qconsole worker`` exits with when it refuses its arguments (a task module it cannot import)
 USAGE_ERROR = 2
+#: and when it refuses to run on its database before it starts (a read-only server, a replica; a role that
+#: may not write the queue's tables): started again, it refused again, every 30 s for ever
+REFUSED = 1
 
 
 @dataclass
@@ -310,9 +313,10 @@ class EmbeddedWorkers:
                 with contextlib.suppress(OSError):
                     log.close()
             status = _read_status(status_fd)
-        # refused: before it ran (its arguments: a task module it cannot import), or said so after. Not any
-        # exit 2: a job's exit(2) (or a C library's) is a crash, restarted as any other
-        refused = code == USAGE_ERROR and (status[-1:] != ["started"])
+        # refused: before it ran (its arguments: a task module it cannot import; its database: read-only, a
+        # role that may not write), or said so after. Not any exit 2 or 1: a job's exit(2) (or a C library's)
+        # once it started is a crash, restarted as any other
+        refused = code in (USAGE_ERROR, REFUSED) and (status[-1:] != ["started"])
         with self._lock:
             if w.proc is not proc:
                 return

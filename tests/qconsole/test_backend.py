@@ -285,6 +285,27 @@ def test_an_embedded_worker_whose_metrics_port_is_taken_says_it_refused_and_is_n
     assert (w.exit_code, w.restarts, w.restart_pending) == (2, 0, False)
 
 
+def test_an_embedded_worker_on_a_read_only_database_says_it_refused_and_is_not_restarted(
+    dsn: str, tmp_path: Path
+) -> None:
+    # `qconsole worker` refuses a read-only server (a replica) with exit 1 before it starts: the console took
+    # that for a crash, and started it again every 30 s for ever
+    from psycopg.conninfo import make_conninfo
+
+    read_only = make_conninfo(dsn, options="-c default_transaction_read_only=on")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    launcher = EmbeddedWorkers(read_only, log_dir=tmp_path, env=env)
+    w = launcher.start(["tests.worker_core.tasks"])
+    try:
+        wait_for(lambda: any("not restarted" in line for line in w.output), 60, what="the worker to refuse")
+        time.sleep(1.5)  # past the first restart's backoff (1 s)
+    finally:
+        launcher.stop_all(timeout=10)
+    assert (w.exit_code, w.restarts, w.restart_pending) == (1, 0, False)
+    assert any("read-only" in line for line in w.output)
+
+
 def _real_launcher(dsn: str, tmp_path: Path, **kwargs: Any) -> EmbeddedWorkers:
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
