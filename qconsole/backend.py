@@ -57,14 +57,9 @@ CALL_DEADLINE_MIN_S = 10.0
 CLIENT_CHECK_INTERVAL_MS = 1000
 #: how often the console measures its host's clock against the server's (DatabaseBackend._align_clock)
 CLOCK_ALIGN_EVERY_S = 60.0
-#: an action's session holds the advisory lock (this class, its token's key: the two-key form, which no other
-#: lock of the queue's uses) until it ends: while it lives, its transaction may still commit
-ACTION_LOCK_CLASS = 0x71634143
 #: how long, after an action's connection was lost, the console waits for its session to end to tell whether it
 #: committed (DatabaseBackend.lost_settle_s)
 LOST_SETTLE_S = 5.0
-#: the newest audit entries searched for a lost action's token
-TOKEN_LOOKUP_ROWS = 10_000
 #: the states the dead-letters screen groups: what an operator requeues (dead, failed) or kills (retrying)
 DEAD_LETTER_STATES = ("dead_lettered", "failed", "retry_scheduled")
 
@@ -370,7 +365,7 @@ class DatabaseBackend:
         def run(conn: db.Conn) -> ActionResult:
             nonlocal sent
             # held by the session until it ends, then released by the server whatever became of its client
-            conn.execute("SELECT pg_advisory_lock(%s, %s)", (ACTION_LOCK_CLASS, key))
+            ops.hold_action_token(conn, key)
             sent = True
             return fn(conn, token)
 
@@ -400,22 +395,15 @@ class DatabaseBackend:
                 return ActionLost(error, committed=None)
             with db.Deadline(conn, self.call_deadline_s + self.lost_settle_s):
                 while True:
-                    row = conn.execute(
-                        "SELECT pg_try_advisory_lock(%s, %s) AS ended", (ACTION_LOCK_CLASS, key)
-                    ).fetchone()
-                    if row is not None and row["ended"]:
+                    if ops.action_session_ended(conn, key):
                         break
                     if time.monotonic() >= until or self._actions_aborted:
                         return ActionLost(error, committed=None)  # its session lives on: it may still commit
                     time.sleep(0.2)
-                found = conn.execute(
-                    "SELECT id, cardinality(job_ids) AS changed FROM (SELECT id, job_ids, detail FROM audit_log"
-                    " ORDER BY id DESC LIMIT %(rows)s) newest WHERE detail ->> %(key)s = %(token)s",
-                    {"rows": TOKEN_LOOKUP_ROWS, "key": ops.TOKEN_KEY, "token": token},
-                ).fetchone()
+                found = ops.audit_entry_of_token(conn, token)
             if found is None:
                 return ActionLost(error, committed=False, note="the connection was lost before it committed")
-            return ActionLost(error, committed=True, audit_id=int(found["id"]), changed=int(found["changed"]))
+            return ActionLost(error, committed=True, audit_id=found[0], changed=found[1])
         except psycopg.Error:
             return ActionLost(error, committed=None)
         finally:

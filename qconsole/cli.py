@@ -522,28 +522,6 @@ def _tell(status_fd: int | None, what: bytes) -> None:
             os.write(status_fd, what + b"\n")
 
 
-#: what a worker writes (claims, settles, heartbeats): a role without one of these on them cannot work
-WORKER_WRITES = tuple((t, p) for t in ("job_queue", "workers") for p in ("SELECT", "INSERT", "UPDATE", "DELETE"))
-
-
-def _cannot_work(conn: db.Conn) -> str | None:
-    """Why a worker could not claim or settle a job on this connection's server as this role, or None."""
-    row = conn.execute("SELECT current_setting('transaction_read_only') = 'on' AS ro").fetchone()
-    if row and row["ro"]:
-        return ops.read_only_reason(conn)
-    missing = []
-    for table, privilege in WORKER_WRITES:
-        held = conn.execute("SELECT has_table_privilege(%s, %s) AS ok", (table, privilege)).fetchone()
-        if not (held and held["ok"]):
-            missing.append(f"{privilege} on {table}")
-    if missing:
-        return (
-            f"this role may not write the queue's tables (it lacks {', '.join(missing)}): grant them, or run the"
-            " worker as a role that has them"
-        )
-    return None
-
-
 def _warn_of_new_queues(conn: db.Conn, queues: Sequence[str]) -> None:
     """A --queue no job, worker, pause or registered type names yet: a typo works nothing, silently. Said,
     not refused: a worker may be started before the first job of its queue is enqueued."""
@@ -640,7 +618,7 @@ def worker(
         # reachable and migrated, by this version, before any process starts; and writable: a worker on a
         # replica or as a role that may only read claimed nothing and said so once a second, for ever
         # (--burst too), and --processes and the console's workers read its end as a crash to restart
-        refusal = guarded(lambda: _cannot_work(conn))
+        refusal = guarded(lambda: ops.worker_refusal(conn))
         if refusal:
             fail(f"the worker cannot run here: {refusal}", 1)
         _warn_of_new_queues(conn, queue or ())

@@ -93,6 +93,55 @@ def read_only_reason(conn: Conn) -> str:
     )
 
 
+#: a console action's session holds the advisory lock (this class, its token's key: the two-key form, which no
+#: other lock of the queue's uses) until it ends: while it lives, its transaction may still commit
+ACTION_LOCK_CLASS = 0x71634143
+#: the newest audit entries searched for a lost action's token
+TOKEN_LOOKUP_ROWS = 10_000
+
+
+def hold_action_token(conn: Conn, key: int) -> None:
+    """Hold the action's token (its advisory lock) for as long as the session lives."""
+    conn.execute(queries["action_token_hold"], {"class": ACTION_LOCK_CLASS, "key": key})
+
+
+def action_session_ended(conn: Conn, key: int) -> bool:
+    """Whether the session that held the token ended (its lock is free: taken now, by this session): nothing
+    of its transaction can commit any more."""
+    row = conn.execute(queries["action_token_free"], {"class": ACTION_LOCK_CLASS, "key": key}).fetchone()
+    return bool(row and row["ended"])
+
+
+def audit_entry_of_token(conn: Conn, token: str) -> tuple[int, int] | None:
+    """The audit entry (its id, and how many jobs it names) of the action that carried ``token``, among the
+    newest TOKEN_LOOKUP_ROWS: None, it did not commit."""
+    params = {"rows": TOKEN_LOOKUP_ROWS, "key": TOKEN_KEY, "token": token}
+    row = conn.execute(queries["audit_by_token"], params).fetchone()
+    return None if row is None else (int(row["id"]), int(row["changed"]))
+
+
+#: what a worker writes (claims, settles, heartbeats): a role without one of these on them cannot work
+WORKER_WRITES = tuple((t, p) for t in ("job_queue", "workers") for p in ("SELECT", "INSERT", "UPDATE", "DELETE"))
+
+
+def worker_refusal(conn: Conn) -> str | None:
+    """Why a worker could not claim or settle a job on this connection's server as this role, or None."""
+    row = conn.execute(queries["is_read_only"]).fetchone()
+    if row and row["ro"]:
+        return read_only_reason(conn)
+    missing = []
+    for table, privilege in WORKER_WRITES:
+        held = conn.execute(queries["table_privilege"], {"table": table, "privilege": privilege}).fetchone()
+        if not (held and held["ok"]):
+            missing.append(f"{privilege} on {table}")
+    if missing:
+        return (
+            f"this role may not write the queue's tables (it lacks {', '.join(missing)}): grant them, or run the"
+            " worker as a role that has them"
+        )
+    return None
+
+
 def _ids(job_ids: Iterable[uuid.UUID | str]) -> list[uuid.UUID]:
     out = []
     for j in job_ids:

@@ -914,3 +914,24 @@ FROM job_type_contracts ORDER BY job_type;
 
 -- name: contracts_for_types
 SELECT job_type, queue, contract, requires_idempotency_key FROM job_type_contracts WHERE job_type = ANY(%(job_types)s);
+
+------------------------------------------------------------------------------------------------------
+-- A console action's token (worker_core.ops: hold_action_token, action_session_ended, audit_entry_of_token)
+-- and whether a session may work (worker_refusal)
+------------------------------------------------------------------------------------------------------
+
+-- name: action_token_hold
+-- Held by the action's session until it ends, whatever becomes of its client (the two-key form: no other lock
+-- of the queue's uses it).
+SELECT pg_advisory_lock(%(class)s, %(key)s);
+
+-- name: action_token_free
+SELECT pg_try_advisory_lock(%(class)s, %(key)s) AS ended;
+
+-- name: audit_by_token
+SELECT id, cardinality(job_ids) AS changed
+FROM (SELECT id, job_ids, detail FROM audit_log ORDER BY id DESC LIMIT %(rows)s) newest
+WHERE detail ->> %(key)s = %(token)s;
+
+-- name: table_privilege
+SELECT has_table_privilege(%(table)s, %(privilege)s) AS ok;
