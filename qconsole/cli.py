@@ -453,7 +453,7 @@ def enqueue(
     # before it writes anything: checked here before connecting, the envelope was judged under the
     # deployment's defaults, and a valid one refused (a lease shorter than the default timeout, say)
     with connect(dsn) as conn:
-        _warn_if_unregistered(conn, job_type, queue)
+        guarded(lambda: _warn_if_unregistered(conn, job_type, queue))  # a database error there: its exit code
         result = guarded(lambda: enqueue_job(conn, job_type, body, **envelope))
     typer.echo(str(result.id) if result.created else f"duplicate of {result.id}")
 

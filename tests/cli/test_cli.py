@@ -14,6 +14,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 from typer.testing import CliRunner
 
 from qconsole.cli import app
@@ -1028,6 +1030,19 @@ def test_a_role_granted_nothing_on_the_tables_is_told_so_not_shown_a_traceback(c
         assert isinstance(result.exception, SystemExit), result.exception
         assert "this role cannot read the queue's tables: permission denied" in result.output
         assert "grant it SELECT" in result.output and "schema owner's role" in result.output
+
+
+def test_enqueue_by_a_role_that_may_not_read_the_registered_contracts_is_refused_not_a_traceback(
+    cli: Any, conn: db.Conn, role_dsn: Any
+) -> None:
+    # its warning about an unregistered type read job_type_contracts outside the CLI's error handling
+    writer = role_dsn("SELECT, INSERT")
+    role = sql.Identifier(conninfo_to_dict(writer)["user"])
+    conn.execute(sql.SQL("REVOKE SELECT ON job_type_contracts FROM {}").format(role))
+    conn.commit()
+    result = cli("enqueue", "no.such.type", "--dsn", writer, code=1)
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "refused by the database, nothing changed" in result.output
 
 
 @pytest.fixture
