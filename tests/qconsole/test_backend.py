@@ -292,10 +292,7 @@ def test_an_embedded_worker_on_a_read_only_database_says_it_refused_and_is_not_r
     # that for a crash, and started it again every 30 s for ever
     from psycopg.conninfo import make_conninfo
 
-    read_only = make_conninfo(dsn, options="-c default_transaction_read_only=on")
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    launcher = EmbeddedWorkers(read_only, log_dir=tmp_path, env=env)
+    launcher = _real_launcher(make_conninfo(dsn, options="-c default_transaction_read_only=on"), tmp_path)
     w = launcher.start(["tests.worker_core.tasks"])
     try:
         wait_for(lambda: any("not restarted" in line for line in w.output), 60, what="the worker to refuse")

@@ -10,6 +10,7 @@ import subprocess
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,15 +158,21 @@ class _SkewedClock(SystemClock):
         return super().now() + dt.timedelta(seconds=self.seconds)
 
 
+def _running_under(conn: db.Conn, worker: str) -> Any:
+    """A job running under another worker's lease, 60 s from its end in the server's time."""
+    live = enqueue(conn, "t.ok", {}).id
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = %s, started_at = now(),"
+        " locked_until = clock_timestamp() + interval '60 seconds' WHERE id = %s",
+        (worker, live),
+    )
+    return live
+
+
 def test_a_worker_whose_clock_is_ahead_leaves_live_leases_alone(dsn: str, conn: db.Conn) -> None:
     # a live job of another worker, its lease 60 s from its end in the server's time: a worker whose clock was
     # two minutes ahead took it as an expired lease at once, and ran its handler a second time while the first ran
-    live = enqueue(conn, "t.ok", {}).id
-    conn.execute(
-        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'other:1:live', started_at = now(),"
-        " locked_until = clock_timestamp() + interval '60 seconds' WHERE id = %s",
-        (live,),
-    )
+    live = _running_under(conn, "other:1:live")
     fresh = enqueue(conn, "t.ok", {}).id
     conn.commit()
     with running_worker(dsn, clock=_SkewedClock(120), heartbeat_interval=0.2) as ahead:
@@ -194,12 +201,7 @@ def test_a_worker_far_from_its_database_is_aligned_too(dsn: str, conn: db.Conn) 
     # the worker took live jobs from others as expired leases while its log said it kept the server's time
     proxy = FreezingProxy.before(dsn)
     proxy.delay = 0.13
-    live = enqueue(conn, "t.ok", {}).id
-    conn.execute(
-        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'other:1:live', started_at = now(),"
-        " locked_until = clock_timestamp() + interval '60 seconds' WHERE id = %s",
-        (live,),
-    )
+    live = _running_under(conn, "other:1:live")
     fresh = enqueue(conn, "t.ok", {}).id
     conn.commit()
     try:
@@ -237,12 +239,7 @@ def test_ending_a_dead_workers_leases_ends_them_in_the_servers_time(
 ) -> None:
     # on a host two minutes ahead, "ending" a dead worker's leases set them two minutes ahead: longer than
     # the leases it meant to end
-    orphan = enqueue(conn, "t.ok", {}).id
-    conn.execute(
-        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'other:1:dead', started_at = now(),"
-        " locked_until = clock_timestamp() + interval '60 seconds' WHERE id = %s",
-        (orphan,),
-    )
+    orphan = _running_under(conn, "other:1:dead")
     conn.commit()
     monkeypatch.setattr(worker_core.supervisor, "SYSTEM_CLOCK", _SkewedClock(120))
     worker_core.supervisor.end_dead_worker(dsn, worker_id="other:1:dead")
