@@ -60,9 +60,17 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
-#: ``--dsn`` and ``--read-only`` given before the subcommand (``qconsole --dsn X kill ...``): they hold for
-#: it, as they would for the console. Set by the callback on every run.
-_ROOT: dict[str, Any] = {"dsn": None, "read_only": False, "command": None}
+#: ``--dsn``, ``--read-only`` and ``--statement-timeout`` given before the subcommand (``qconsole --dsn X kill
+#: ...``): they hold for it, as they would for the console. Set by the callback on every run.
+_ROOT: dict[str, Any] = {"dsn": None, "read_only": False, "command": None, "statement_timeout_s": None}
+
+#: how long one statement of a command may run, unless ``--statement-timeout`` says otherwise: a command that
+#: reads (``stats``, ``jobs``...) 60 s, one that writes (``requeue`` of a large group, ``enqueue``...) 10
+#: minutes, as the console's actions. A `qconsole stats --json` run by cron behind a table lock (a migration
+#: of another tool, a ``VACUUM FULL``) or against a hung server waited for ever, and the runs piled up.
+READ_TIMEOUT_S = 60.0
+WRITE_TIMEOUT_S = 600.0
+MAX_STATEMENT_TIMEOUT_S = 2_147_483.0  # PostgreSQL's limit (2^31 - 1 ms)
 
 
 def _dsn(dsn: str | None) -> str | None:
@@ -88,25 +96,62 @@ def connect(
         target = db.resolve_dsn(configured)
     except RuntimeError as e:
         fail(str(e), 3)
+    timeout_s = _ROOT["statement_timeout_s"]
+    if timeout_s is None:
+        timeout_s = READ_TIMEOUT_S if read_only else WRITE_TIMEOUT_S
     try:
         conn = db.connect(
-            target, application_name="qconsole-cli", autocommit=autocommit, read_only=read_only, tolerant_json=True
+            target,
+            application_name="qconsole-cli",
+            autocommit=autocommit,
+            read_only=read_only,
+            tolerant_json=True,
+            statement_timeout_ms=int(timeout_s * 1000) or None,
         )
     except psycopg.Error as e:  # unreachable, or a DSN libpq cannot parse (its error quotes it)
         fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
+    # a server that stopped answering while TCP still acknowledges (hung, stopped, a proxy in front of a
+    # dead one) is noticed by neither keepalives nor its own statement timeout: the command gives up after
+    # twice its statement timeout and 10 s more, whatever it was doing (db.Deadline)
+    deadline = db.Deadline(conn, 2 * timeout_s + 10) if timeout_s else None
+    _ROOT["deadline"] = deadline
     try:
-        try:
-            _check_schema(conn, target, configured, for_workers)
-        except psycopg.errors.InsufficientPrivilege as e:
-            # a role granted nothing (or not SELECT) on the queue's tables: a traceback from every command
-            fail(
-                f"this role cannot read the queue's tables: {db.redact(str(e).strip(), target)}; grant it SELECT"
-                " on them (and INSERT, UPDATE, DELETE to act or run workers), or use the schema owner's role",
-                1,
-            )
-        yield conn
+        with deadline or contextlib.nullcontext():
+            try:
+                _check_schema(conn, target, configured, for_workers)
+            except psycopg.errors.InsufficientPrivilege as e:
+                # a role granted nothing (or not SELECT) on the queue's tables: a traceback from every command
+                fail(
+                    f"this role cannot read the queue's tables: {db.redact(str(e).strip(), target)}; grant it"
+                    " SELECT on them (and INSERT, UPDATE, DELETE to act or run workers), or use the schema"
+                    " owner's role",
+                    1,
+                )
+            yield conn
+    except psycopg.OperationalError as e:  # outside guarded(): the schema check, a command's own reads
+        _database_error(e)
     finally:
+        _ROOT["deadline"] = None
         conn.close()
+
+
+def _database_error(e: psycopg.OperationalError) -> NoReturn:
+    """Exit 3 with what went wrong: the server stopped answering, a statement ran past its timeout, or the
+    connection failed."""
+    deadline = _ROOT.get("deadline")
+    if deadline is not None and deadline.expired:
+        fail(
+            f"the database did not answer within {deadline.seconds:g} s (a hung or overloaded server?); nothing"
+            " is known of what this command's last statement did: check before running it again",
+            3,
+        )
+    if isinstance(e, psycopg.errors.QueryCanceled):
+        fail(
+            f"a statement ran past the statement timeout and was cancelled, nothing of it was written: {e}".strip()
+            + " (waiting on a lock? see pg_stat_activity; --statement-timeout before the command sets another)",
+            3,
+        )
+    fail(f"database error: {e}".strip(), 3)
 
 
 def _check_schema(conn: db.Conn, target: str, configured: str | None, for_workers: bool) -> None:
@@ -148,7 +193,7 @@ def guarded(fn: Callable[[], T]) -> T:
     except ReadOnlyError as e:
         fail(str(e), 1)
     except psycopg.OperationalError as e:
-        fail(f"database error: {e}".strip(), 3)
+        _database_error(e)
     except psycopg.DataError as e:
         fail(f"invalid value: {str(e).strip()}", 2)
     except REFUSED as e:
@@ -165,10 +210,14 @@ MAX_DURATION_SECONDS = 100 * 365 * 86400.0
 
 
 def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``15m``, ``24h``, ``7d`` -> seconds."""
+    """``90``, ``90s``, ``15m``, ``24h``, ``7d``, ``500ms`` -> seconds."""
     text = text.strip().lower()
-    unit = _UNITS.get(text[-1:])
-    number = text[:-1] if unit else text
+    unit: float | None
+    if text.endswith("ms"):
+        unit, number = 0.001, text[:-2]
+    else:
+        unit = _UNITS.get(text[-1:])
+        number = text[:-1] if unit else text
     try:
         value = float(number) * (unit or 1)
     except ValueError:
@@ -239,9 +288,25 @@ def console(
     read_only: Annotated[bool, typer.Option("--read-only", help="Refuse every action.")] = False,
     refresh: Annotated[float, typer.Option("--refresh", min=0.2, help="Seconds between refreshes.")] = 2.0,
     theme: Annotated[str | None, typer.Option("--theme", help="Textual theme, e.g. textual-dark.")] = None,
+    statement_timeout: Annotated[
+        str | None,
+        typer.Option(
+            "--statement-timeout",
+            help="How long one statement of a command may run (90s, 15m; 0: no limit). Default: 60s for a"
+            " command that reads, 10m for one that writes.",
+        ),
+    ] = None,
 ) -> None:
     """Open the incident console (with no subcommand)."""
-    _ROOT.update(dsn=dsn, read_only=read_only, command=ctx.invoked_subcommand)
+    timeout_s = None
+    if statement_timeout is not None:
+        try:
+            timeout_s = parse_duration(statement_timeout)
+        except typer.BadParameter as e:
+            fail(f"--statement-timeout: {e}", 2)
+        if not (timeout_s == 0 or 0.001 <= timeout_s <= MAX_STATEMENT_TIMEOUT_S):
+            fail("--statement-timeout: between 1 ms and 24 days, or 0 for no limit", 2)
+    _ROOT.update(dsn=dsn, read_only=read_only, command=ctx.invoked_subcommand, statement_timeout_s=timeout_s)
     if ctx.invoked_subcommand is not None:
         return
     from qconsole.app import run_console

@@ -149,13 +149,18 @@ def _tcp_defaults(dsn: str) -> dict[str, Any]:
 
 
 def _options(dsn: str, statement_timeout_ms: int | None, read_only: bool, jit: bool = True) -> str | None:
-    """Server settings for the connection, after the DSN's own ``options`` (which a keyword would replace)."""
+    """Server settings for the connection, after the DSN's own ``options``, else ``$PGOPTIONS``: the keyword
+    replaces both in libpq (a ``search_path`` set in ``PGOPTIONS`` held on a worker's job connections and
+    not on its own, nor on the console's or the CLI's)."""
     opts = []
     try:
-        if given := conninfo_to_dict(dsn).get("options"):
-            opts.append(str(given))
+        given = conninfo_to_dict(dsn).get("options")
     except psycopg.ProgrammingError:
-        pass
+        given = None
+    if given is None:
+        given = os.environ.get("PGOPTIONS")
+    if given:
+        opts.append(str(given))
     if statement_timeout_ms:
         opts.append(f"-c statement_timeout={int(statement_timeout_ms)}")
     if read_only:

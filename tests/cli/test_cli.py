@@ -1162,3 +1162,55 @@ def test_a_worker_refuses_a_queue_name_pause_would_refuse_and_warns_of_a_new_one
     result = cli(*worker, "--queue", "default", "--queue", "biling")
     assert "no job, worker, pause or task names queue 'biling' yet" in result.stderr
     assert "'default'" not in result.stderr
+
+
+def test_a_command_behind_a_lock_gives_up_at_its_statement_timeout_and_writes_nothing(
+    cli: Any, conn: db.Conn, dsn: str, make_job: Callable[..., Any]
+) -> None:
+    # behind a session holding a lock (another tool's migration, a VACUUM FULL, an operator's open
+    # transaction), `qconsole stats` and `qconsole kill` waited for ever: a cron job's runs piled up
+    jid = str(make_job("t.ok"))
+    with db.connect(dsn) as locker:
+        locker.execute("SELECT 1 FROM job_queue WHERE id = %s FOR UPDATE", (jid,))
+        out = cli("--statement-timeout", "300ms", "kill", jid, "--reason", "INC-7", code=3).output
+        assert "ran past the statement timeout" in out and "nothing of it was written" in out
+        locker.execute("LOCK TABLE job_queue IN ACCESS EXCLUSIVE MODE")
+        assert "ran past the statement timeout" in cli("--statement-timeout", "300ms", "stats", code=3).output
+        locker.rollback()
+    assert stats.get_job(conn, jid).state.value == "queued"
+    assert "at least" not in cli("--statement-timeout", "0", "stats").output  # 0: no limit
+    assert "between 1 ms and 24 days" in cli("--statement-timeout", "30d", "stats", code=2).output
+    assert "not a duration" in cli("--statement-timeout", "soon", "stats", code=2).output
+
+
+def test_commands_read_under_a_minute_and_write_under_ten_by_default(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qconsole import cli as cli_module
+
+    monkeypatch.setitem(cli_module._ROOT, "statement_timeout_s", None)
+    with cli_module.connect(dsn, read_only=True) as conn:
+        assert conn.execute("SHOW statement_timeout").fetchone() == {"statement_timeout": "1min"}
+    with cli_module.connect(dsn) as conn:
+        assert conn.execute("SHOW statement_timeout").fetchone() == {"statement_timeout": "10min"}
+
+
+def test_a_command_gives_up_on_a_server_that_stopped_answering(
+    cli: Any, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # TCP still acknowledged (a hung server, a proxy in front of a dead one): `qconsole stats` waited for ever
+    from qconsole import cli as cli_module
+    from tests.worker_core.helpers import FreezingProxy
+
+    proxy = FreezingProxy.before(dsn)
+    check = cli_module._check_schema
+
+    def then_freeze(*args: Any) -> None:
+        check(*args)
+        proxy.frozen.set()
+
+    monkeypatch.setattr(cli_module, "_check_schema", then_freeze)
+    try:
+        out = cli("--statement-timeout", "200ms", "stats", "--dsn", proxy.dsn, code=3).output
+        assert "did not answer within 10.4 s" in out and "check before running it again" in out
+    finally:
+        proxy.frozen.clear()
+        proxy.close()

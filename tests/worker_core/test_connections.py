@@ -50,6 +50,18 @@ def test_the_dsns_own_server_options_are_kept_beside_the_ones_a_connection_adds(
     assert conninfo_to_dict(given)["options"] == "-c search_path=from_dsn,public"
 
 
+def test_pgoptions_holds_on_connections_that_add_server_options(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # libpq's `options` keyword replaces $PGOPTIONS: a search_path set there held on a worker's job connections
+    # and not on its own connections (statement timeout), the console's or the CLI's
+    monkeypatch.setenv("PGOPTIONS", "-c search_path=from_env,public")
+    for kwargs in ({}, {"statement_timeout_ms": 1500}, {"read_only": True}, {"jit": False}):
+        with db.connect(dsn, **kwargs) as conn:  # type: ignore[arg-type]
+            assert conn.execute("SHOW search_path").fetchone() == {"search_path": "from_env,public"}, kwargs
+    given = make_conninfo(dsn, options="-c search_path=from_dsn")  # the DSN's own wins, as in libpq
+    with db.connect(given, statement_timeout_ms=1500) as conn:
+        assert conn.execute("SHOW search_path").fetchone() == {"search_path": "from_dsn"}
+
+
 def test_a_workers_own_connections_bound_their_statements(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # claims, beats, settlements (the completer) and housekeeping; not the slots' (the handlers' statements)
     # nor the listener's (it waits for notifications, it runs no statement)
