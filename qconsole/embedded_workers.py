@@ -47,6 +47,9 @@ USAGE_ERROR = 2
 #: and when it refuses to run on its database before it starts (a read-only server, a replica; a role that
 #: may not write the queue's tables): started again, it refused again, every 30 s for ever
 REFUSED = 1
+#: workers that ended for good (stopped, or crashed and not restarted) whose records (status, the last
+#: lines of their output) the console keeps; older ones are forgotten as new workers start
+KEEP_ENDED = 20
 
 
 @dataclass
@@ -222,8 +225,17 @@ class EmbeddedWorkers:
                 log_path=self.log_dir / f"worker-{os.getpid()}-{number}.log" if self.log_dir else None,
             )
             self._workers[number] = w
+            self._forget_ended()
         self._spawn(w)
         return w
+
+    def _forget_ended(self) -> None:
+        """All but the newest KEEP_ENDED workers that ended for good: a console that started and stopped
+        workers all night kept every record, with up to OUTPUT_LINES lines of output each."""
+        ended = [n for n, w in self._workers.items() if w.exit_code is not None and not w.running
+                 and not w.restart_pending]  # fmt: skip
+        for number in ended[: max(0, len(ended) - KEEP_ENDED)]:
+            del self._workers[number]
 
     def argv(self, w: EmbeddedWorker) -> list[str]:
         args = [*self.command, "--tasks", ",".join(w.tasks), "--concurrency", str(w.concurrency)]
@@ -309,6 +321,12 @@ class EmbeddedWorkers:
                         log = None
         finally:
             code = proc.wait()
+            # its pipes: the console kept two descriptors of every worker it ever started (about 500 starts
+            # reached the usual limit of 1,024, and then its own connections to the database failed)
+            for pipe in (proc.stdout, proc.stdin):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
             if log is not None:
                 with contextlib.suppress(OSError):
                     log.close()

@@ -228,6 +228,28 @@ def test_an_embedded_worker_whose_log_file_cannot_be_written_is_still_read_to_it
     assert sum("no longer written" in line for line in w.output) == 1
 
 
+def test_ended_embedded_workers_keep_no_pipes_and_only_the_newest_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the console kept both pipes of every worker it ever started (~500 starts reached the limit of 1,024
+    # descriptors, and then its connections to the database failed), and every record with its output
+    import qconsole.embedded_workers as ew
+
+    monkeypatch.setattr(ew, "KEEP_ENDED", 4)
+    launcher = EmbeddedWorkers("postgresql://unused", command=["sh", "-c", "echo hi", "worker"], log_dir=tmp_path)
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+        started = []
+        for _ in range(10):
+            started.append(launcher.start(["x.tasks"], restart=False))
+            wait_for(lambda: started[-1].exit_code is not None, 10, what="the worker to exit")
+        time.sleep(0.2)  # the last reader thread closes its log and status pipe after it set exit_code
+        assert len(os.listdir("/proc/self/fd")) - fds <= 2  # 20 before
+        assert [w.number for w in launcher.workers()] == [6, 7, 8, 9, 10]  # 4 ended, and the newest
+    finally:
+        launcher.stop_all(timeout=2)
+
+
 def test_an_embedded_worker_that_refuses_its_configuration_is_not_restarted(tmp_path: Any) -> None:
     # a misspelt task module: `qconsole worker` exits 2; starting it again would change nothing
     launcher = EmbeddedWorkers(
