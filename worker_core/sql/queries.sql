@@ -290,14 +290,28 @@ SELECT EXISTS (
 ------------------------------------------------------------------------------------------------------
 -- Running and settling. Every state change from running is fenced: the row must still be running,
 -- held by this worker, at this attempt. Zero rows means a rescuer took it: not an error, roll back.
+--
+-- Lock order: a statement that changes many jobs at once while others may (a heartbeat, a batch or
+-- group settlement, a kill, a requeue, giving surplus back, ending a dead worker's leases) first locks
+-- its rows in id order, in a MATERIALIZED "... ORDER BY id FOR NO KEY UPDATE" (the lock its UPDATE takes
+-- anyway; requeue_jobs' FOR UPDATE, as it was), then updates them found by id. An UPDATE locks in the order
+-- its plan reads: a few ids through the primary key (id order), more through a bitmap scan (the heap's
+-- order), so a group settlement and its worker's heartbeat, or a kill and a heartbeat, deadlocked; a
+-- group's loss ran its handlers again. Claims and prunes skip locked rows and never wait on them.
 ------------------------------------------------------------------------------------------------------
 
 -- name: heartbeat_jobs
+-- Rows locked in id order first (see "Lock order" above). Through the primary key, not the running
+-- index (see settle_succeeded_many).
+WITH held AS MATERIALIZED (
+    SELECT id FROM job_queue
+    WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE AND locked_by = %(worker)s
+    ORDER BY id FOR NO KEY UPDATE
+)
 UPDATE job_queue SET
     locked_until = %(now)s + make_interval(secs => visibility_timeout_seconds),
     updated_at = %(now)s
--- through the primary key, not the running index (see settle_succeeded_many)
-WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE AND locked_by = %(worker)s
+WHERE id = ANY(ARRAY(SELECT id FROM held))
 RETURNING id, attempts, cancel_requested;
 
 -- name: record_processed_key
@@ -368,16 +382,22 @@ RETURNING id;
 -- name: settle_succeeded_many
 -- The batch completer: jobs whose handler wrote nothing through ctx.tx and carry no idempotency key have
 -- no effect to commit with their settlement, so many settle in one statement. Fenced per job.
-UPDATE job_queue j SET
-    state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, suspect = false
 -- ids and fences ('<id>/<attempt>') come as array literals (text): psycopg's per-element list adaptation
 -- cost more than the statement for batches of hundreds. The fences are matched by hashing.
 -- Found through the primary key. "(state = 'running') IS TRUE" says "state = 'running'" in a form the
 -- planner cannot match to the running index: between vacuums that index holds mostly dead entries of
 -- the jobs settled since, which its statistics do not count, and reading it cost 76 ms per settlement
 -- of 450 jobs in a 40,000-job drain (5 ms through the primary key).
-WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
-  AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[]) AND NOT j.cancel_requested  -- settle_succeeded
+-- Rows locked in id order first (see "Lock order" above heartbeat_jobs).
+WITH held AS MATERIALIZED (
+    SELECT j.id FROM job_queue j
+    WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
+      AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[]) AND NOT j.cancel_requested  -- settle_succeeded
+    ORDER BY j.id FOR NO KEY UPDATE
+)
+UPDATE job_queue j SET
+    state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, suspect = false
+WHERE j.id = ANY(ARRAY(SELECT id FROM held))
 RETURNING j.id;
 
 -- name: settle_error
@@ -414,17 +434,26 @@ RETURNING id;
 -- Jobs a claim brought beyond what the worker's slots and prefetch can take (Worker._keep_within): back to
 -- queued at once, the attempt not counted, for any worker to claim. Not one an operator killed meanwhile:
 -- the worker keeps it, and settles it cancelled without running it (as any job killed in its buffer).
+WITH held AS MATERIALIZED (
+    SELECT j.id FROM job_queue j
+    WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
+      AND NOT j.cancel_requested
+    ORDER BY j.id FOR NO KEY UPDATE
+)
 UPDATE job_queue j SET
     state = 'queued', attempts = j.attempts - 1, locked_by = NULL, locked_until = NULL, started_at = NULL,
     updated_at = %(now)s
-WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
-  AND NOT j.cancel_requested
+WHERE j.id = ANY(ARRAY(SELECT id FROM held))
 RETURNING j.id;
 
 -- name: expire_worker_leases
 -- A supervisor saw its child die: its leases end now, so any worker reclaims them at once.
+WITH held AS MATERIALIZED (
+    SELECT id FROM job_queue WHERE state = 'running' AND locked_by = ANY(%(workers)s)
+    ORDER BY id FOR NO KEY UPDATE
+)
 UPDATE job_queue SET locked_until = %(now)s - interval '1 millisecond', updated_at = %(now)s
-WHERE state = 'running' AND locked_by = ANY(%(workers)s)
+WHERE id = ANY(ARRAY(SELECT id FROM held))
 RETURNING id;
 
 -- name: release_locks_of_jobs
@@ -710,7 +739,7 @@ SELECT current_setting('transaction_read_only') = 'on' AS ro;
 WITH locked AS MATERIALIZED (
     SELECT id, payload, coalesce(dedup_key, released_dedup_key) AS dedup_key, created_at FROM job_queue
     WHERE id = ANY(%(ids)s) AND state IN ('dead_lettered', 'failed', 'cancelled')
-    FOR UPDATE
+    ORDER BY id FOR UPDATE
 ), old AS (
     SELECT id, payload, dedup_key,
            dedup_key IS NULL OR row_number() OVER (PARTITION BY dedup_key ORDER BY created_at DESC, id) = 1
@@ -737,7 +766,15 @@ WHERE id = ANY(%(ids)s);
 -- One statement for both: a job moving between waiting and running while the operator kills it (a worker
 -- giving it back at shutdown, or claiming it) is killed either way, because under READ COMMITTED a row
 -- updated concurrently is re-checked, and the SET computed, on its newest version. (Two statements missed
--- a job released between them.) SET expressions read the old row; RETURNING reads the new one.
+-- a job released between them.) SET expressions read the old row; RETURNING reads the new one. The rows
+-- are locked in id order first (see "Lock order" above heartbeat_jobs); a row changed meanwhile is
+-- re-checked there the same way, before it is locked.
+WITH target AS MATERIALIZED (
+    SELECT id FROM job_queue
+    WHERE id = ANY(%(ids)s)
+      AND (state IN ('queued', 'retry_scheduled') OR (state = 'running' AND NOT cancel_requested))
+    ORDER BY id FOR NO KEY UPDATE
+)
 UPDATE job_queue SET
     state = CASE WHEN state = 'running' THEN state ELSE 'cancelled' END,
     cancel_requested = (state = 'running'),
@@ -752,8 +789,7 @@ UPDATE job_queue SET
     dedup_key = CASE WHEN state = 'running' THEN NULL ELSE dedup_key END,
     released_dedup_key = CASE WHEN state = 'running' THEN dedup_key ELSE released_dedup_key END,
     updated_at = %(now)s
-WHERE id = ANY(%(ids)s)
-  AND (state IN ('queued', 'retry_scheduled') OR (state = 'running' AND NOT cancel_requested))
+WHERE id = ANY(ARRAY(SELECT id FROM target))
 RETURNING id, state = 'cancelled' AS cancelled, queue, job_type;
 
 -- name: group_ids
