@@ -7,7 +7,19 @@ within the budget like a transient error, and counted as an anomaly.
 
 from __future__ import annotations
 
+import builtins
 import datetime as dt
+import sys
+
+if sys.version_info >= (3, 11):
+    _GROUPS: tuple[type[BaseException], ...] = (builtins.BaseExceptionGroup,)
+else:  # pragma: no cover - the backport, if a library brought it (anyio, trio)
+    try:
+        from exceptiongroup import BaseExceptionGroup as _Backport
+
+        _GROUPS = (_Backport,)
+    except ImportError:
+        _GROUPS = ()
 
 
 class WorkerCoreError(Exception):
@@ -58,8 +70,33 @@ class ReadOnlyError(WorkerCoreError):
 ERROR_KINDS = ("transient", "permanent", "unknown", "timeout", "lease_expired", "cancelled", "crash")
 
 
+def is_group(exc: BaseException) -> bool:
+    """Whether ``exc`` is an exception group (an ``asyncio.TaskGroup``'s, an ``except*``'s)."""
+    return isinstance(exc, _GROUPS)
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, its nested groups opened; an exception that is no group:
+    itself alone."""
+    if not is_group(exc):
+        return [exc]
+    return [leaf for inner in exc.exceptions for leaf in leaves(inner)]  # type: ignore[attr-defined]
+
+
 def classify(exc: BaseException) -> str:
-    """The contract's error class of an exception raised by a handler."""
+    """The contract's error class of an exception raised by a handler. An exception group (a handler that
+    fans out with ``asyncio.TaskGroup`` gets its child's error wrapped in one) is classified by its leaves:
+    permanent if any of them is, a timeout if all of them are, transient if all of them are transient or
+    timeouts, unknown otherwise."""
+    if is_group(exc):
+        kinds = {classify(leaf) for leaf in leaves(exc)}
+        if "permanent" in kinds:
+            return "permanent"
+        if kinds == {"timeout"}:
+            return "timeout"
+        if kinds <= {"transient", "timeout"}:
+            return "transient"
+        return "unknown"
     if isinstance(exc, JobTimeout):
         return "timeout"
     if isinstance(exc, TransientError):

@@ -41,7 +41,7 @@ from psycopg.types.json import Jsonb
 
 from worker_core import db
 from worker_core.context import JobContext
-from worker_core.errors import JobTimeout, LeaseLost, PermanentError, TransientError, classify
+from worker_core.errors import JobTimeout, LeaseLost, PermanentError, TransientError, classify, is_group, leaves
 from worker_core.fingerprint import fingerprint
 from worker_core.locks import PostgresLocks, lease_seconds, new_token
 from worker_core.logs import job_fields
@@ -736,13 +736,21 @@ def _retry_in(exc: BaseException) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_IN_SECONDS)
 
 
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc).strip() or repr(exc)
+    except Exception:
+        return f"<{type(exc).__name__} whose message could not be read>"
+
+
 def _error_message(exc: BaseException) -> str:
     """An error's message as the database can store it: its own text (or, if that fails, a placeholder),
-    with no NUL (PostgreSQL text refuses it) nor lone surrogate (UTF-8 refuses them), bounded."""
-    try:
-        message = str(exc).strip() or repr(exc)
-    except Exception:
-        message = f"<{type(exc).__name__} whose message could not be read>"
+    with no NUL (PostgreSQL text refuses it) nor lone surrogate (UTF-8 refuses them), bounded. An exception
+    group's names its leaves after its own ("unhandled errors in a TaskGroup (1 sub-exception)" alone says
+    nothing of what went wrong, and gave every such error the same fingerprint)."""
+    message = _text(exc)
+    if is_group(exc):
+        message += ": " + "; ".join(f"{type(leaf).__name__}: {_text(leaf)}" for leaf in leaves(exc))
     message = message.replace("\x00", "\\0").encode("utf-8", "backslashreplace").decode("utf-8")
     return message[:MAX_ERROR_MESSAGE]
 
@@ -1998,8 +2006,10 @@ class Slot:
             state = "dead_lettered"
         else:
             state = "retry_scheduled"
-            retry_in = _retry_in(exc)
-            delay = retry_in if retry_in is not None else self._policy_delay(ex, attempt)
+            # an exception group's leaves each ask for their retry_in, or the policy's delay: the longest
+            asked = [_retry_in(leaf) for leaf in leaves(exc)]
+            policy_delay = self._policy_delay(ex, attempt) if None in asked else 0.0
+            delay = max(policy_delay if d is None else d for d in asked)
             scheduled_at = now + dt.timedelta(seconds=delay)
         cls = type(exc).__name__
         message = _error_message(exc)

@@ -144,6 +144,27 @@ def permanent(ctx: JobContext, payload: dict[str, Any]) -> None:
     raise PermanentError(f"invoice {payload.get('invoice', 'inv_1')} does not exist")
 
 
+@worker_core.task("t.fan_out", retry=FAST, max_attempts=4, reason="tests need fast, bounded retries")
+async def fan_out(ctx: JobContext, payload: dict[str, Any]) -> None:
+    """Fans out with ``asyncio.TaskGroup``, on its first attempt, one child per entry of ``children``:
+    "permanent" (the invoice does not exist) or a number, or None (rate limited: a TransientError with that
+    ``retry_in``). Its children's errors reach the worker in the TaskGroup's ExceptionGroup: each yields
+    once first, so all of them have started (and fail in the same turn of the loop) before the first error
+    cancels the others."""
+    if ctx.attempt > 1:
+        return
+
+    async def child(spec: Any) -> None:
+        await asyncio.sleep(0)
+        if spec == "permanent":
+            raise PermanentError(f"invoice {payload.get('invoice', 'inv_1')} does not exist")
+        raise TransientError("rate limited", retry_in=spec)
+
+    async with asyncio.TaskGroup() as tg:
+        for spec in payload["children"]:
+            tg.create_task(child(spec))
+
+
 @worker_core.task("t.unknown", retry=FAST, max_attempts=2, reason="tests need fast, bounded retries")
 def unknown(ctx: JobContext, payload: dict[str, Any]) -> None:
     raise KeyError(payload.get("key", "customer_id"))

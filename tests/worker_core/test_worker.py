@@ -9,6 +9,7 @@ import datetime as dt
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -42,6 +43,7 @@ from worker_core.supervisor import Supervisor
 from worker_core.worker import Worker
 
 ME = ops.Actor("tester")
+NEEDS_TASKGROUP = pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.TaskGroup is Python 3.11+")
 
 
 def kinds(dsn: str, job_id: uuid.UUID) -> list[str]:
@@ -89,6 +91,41 @@ def test_permanent_error_fails_at_once(conn: db.Conn, dsn: str) -> None:
     assert row["last_error"] == "PermanentError: invoice inv_42 does not exist"
     assert row["error_fingerprint"] == "PermanentError: invoice <id> does not exist"
     assert metric(dsn, "failed") == 1 and metric(dsn, "retried") == 0
+
+
+@NEEDS_TASKGROUP
+def test_a_permanent_error_inside_a_taskgroup_fails_the_job_at_once(conn: db.Conn, dsn: str) -> None:
+    # the child's PermanentError reached the worker wrapped in an ExceptionGroup: classified unknown, it was
+    # retried to its dead letters, its error recorded as "unhandled errors in a TaskGroup (1 sub-exception)"
+    j = enqueue(conn, "t.fan_out", {"children": ["permanent"], "invoice": "inv_42"}).id
+    run_burst(dsn)
+    row = job(dsn, j)
+    assert_settled(row, "failed", 1)
+    assert [(e["kind"], e["class"]) for e in row["errors"]] == [("permanent", "ExceptionGroup")]
+    assert row["last_error"] == (
+        "ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception): "
+        "PermanentError: invoice inv_42 does not exist"
+    )
+    assert row["error_fingerprint"].endswith("PermanentError: invoice <id> does not exist")
+    assert metric(dsn, "failed") == 1 and metric(dsn, "retried") == 0 and metric(dsn, "anomalies") == 0
+
+
+@NEEDS_TASKGROUP
+def test_transient_errors_inside_a_taskgroup_retry_after_the_longest_delay_they_ask(conn: db.Conn, dsn: str) -> None:
+    # an ExceptionGroup was classified unknown (an anomaly) and its children's retry_in were never read
+    clock = FixedClock(dt.datetime.now(dt.timezone.utc).replace(microsecond=0))
+    j = enqueue(conn, "t.fan_out", {"children": [7, None, 30, "0.5"]}, clock=clock).id
+    with running_worker(dsn, clock=clock):
+        row = wait_for(lambda: (r := job(dsn, j))["state"] == "retry_scheduled" and r, 10, what="the retry")
+        assert row["scheduled_at"] == clock.now() + dt.timedelta(seconds=30)
+        assert [e["kind"] for e in row["errors"]] == ["transient"]
+        assert row["errors"][0]["message"] == (
+            "unhandled errors in a TaskGroup (4 sub-exceptions): "
+            + "; ".join(["TransientError: rate limited"] * 4)
+        )
+        clock.advance(30)
+        wait_for(lambda: state(dsn, j) == "succeeded", 10, what="the second attempt")
+    assert metric(dsn, "anomalies") == 0
 
 
 def test_unknown_errors_are_retried_as_anomalies_then_dead_lettered(conn: db.Conn, dsn: str) -> None:
