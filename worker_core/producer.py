@@ -152,8 +152,9 @@ def _params(env: Envelope) -> dict[str, Any]:
         "payload": env.payload_json,
         "priority": env.priority,
         "max_attempts": env.max_attempts,
-        # an absolute time as given; else the delay after the statement's "now": the server's clock, since a
-        # producer's host may be off (one two minutes ahead delayed every job it enqueued by two minutes)
+        # an absolute time as given (one already past is stored as the statement's "now": due now, its queue
+        # latency counted from its enqueue); else the delay after the statement's "now": the server's clock,
+        # since a producer's host may be off (one two minutes ahead delayed every job it enqueued by two minutes)
         "scheduled_at": env.scheduled_at,
         "delay": float(env.delay_seconds),
         "idempotency_key": env.idempotency_key,

@@ -159,7 +159,8 @@ GOOD: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
     ("priority-bounds", "t.ok", {}, {"priority": -1000}),
     ("max_attempts-1", "t.ok", {}, {"max_attempts": 1}),
     ("delay-zero", "t.ok", {}, {"delay_seconds": 0}),
-    ("scheduled-other-tz", "t.ok", {}, {"scheduled_at": dt.datetime(2030, 1, 1, 12, tzinfo=dt.timezone(dt.timedelta(hours=5)))}),  # noqa: E501
+    ("scheduled-other-tz", "t.ok", {}, {"scheduled_at": dt.datetime(2030, 1, 2, 12, tzinfo=dt.timezone(dt.timedelta(hours=5)))}),  # noqa: E501
+    ("scheduled-in-the-past", "t.ok", {}, {"scheduled_at": dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)}),
     ("idem-with-date-only", "t.ledger", {}, {"idempotency_key": "invoice:2024-05:cust_1"}),
     ("retry-object", "t.ok", {}, {"retry_policy": RetryPolicy("linear", 3, 30, 0)}),
     (
@@ -201,7 +202,7 @@ def test_valid_envelope_is_stored_as_given(
             assert row[name] == fields[name], name
     assert row["visibility_timeout_seconds"] > row["timeout_seconds"] + VISIBILITY_BUFFER_SECONDS
     expected_at = fields.get("scheduled_at") or T0 + dt.timedelta(seconds=fields.get("delay_seconds", 0))
-    assert row["scheduled_at"] == expected_at
+    assert row["scheduled_at"] == max(expected_at, T0)  # a time already past: due now
     policy = fields.get("retry_policy")
     if isinstance(policy, RetryPolicy):
         assert row["retry_policy"] == policy.to_json()
@@ -339,6 +340,19 @@ def test_dedup_key_collapses_live_duplicates_at_enqueue(tx_conn: db.Conn) -> Non
     assert other.created
 
 
+def test_a_scheduled_at_in_the_past_is_stored_as_the_enqueue_time(tx_conn: db.Conn) -> None:
+    # it was stored as given: a job backdated to 2000 read as 26 years of queue latency and lag (counted from
+    # scheduled_at), and went ahead of every job of its priority enqueued before it
+    past, future = T0 - dt.timedelta(days=365 * 30), T0 + dt.timedelta(hours=1)
+    clock = FixedClock(T0)
+    one = enqueue(tx_conn, "t.ok", {}, scheduled_at=past, dedup_key="d", clock=clock)
+    many = enqueue_many(tx_conn, [("t.ok", {}, {"scheduled_at": at}) for at in (past, future)], clock=clock)
+    held = enqueue(tx_conn, "t.ok", {}, scheduled_at=past, dedup_key="d", clock=FixedClock(future))  # a dedup hit
+    assert held.duplicate_of == one.id
+    stored = {r["id"]: r["scheduled_at"] for r in tx_conn.execute("SELECT id, scheduled_at FROM job_queue")}
+    assert stored == {one.id: T0, many[0].id: T0, many[1].id: future}
+
+
 # --------------------------------------------------------------------------- property
 
 
@@ -430,7 +444,7 @@ def test_any_envelope_is_either_stored_as_given_or_refused_with_envelope_error(
             if fields.get(name) is not None:
                 assert row[name] == float(fields[name]), name
         if fields.get("scheduled_at") is not None:
-            assert row["scheduled_at"] == fields["scheduled_at"]
+            assert row["scheduled_at"] == max(fields["scheduled_at"], T0)
         else:
             delay = dt.timedelta(seconds=fields.get("delay_seconds") or 0)
             assert abs(row["scheduled_at"] - (T0 + delay)) <= dt.timedelta(milliseconds=1)

@@ -142,6 +142,26 @@ def test_histograms_observe_each_job_of_a_group_not_the_groups_sum(dsn: str, con
     assert w[("qconsole_job_queue_latency_seconds_bucket", labels("t.ledger", le="5.0"))] == 12
 
 
+@pytest.mark.parametrize("how", ["enqueue", "enqueue_many"])
+def test_a_backdated_job_waits_and_starts_from_its_enqueue_not_its_scheduled_at(
+    dsn: str, conn: db.Conn, how: str
+) -> None:
+    # a producer may give a scheduled_at in the past (back to 1970): the console's lag and the queue latency
+    # counted from it, and one job backdated to 2000 read as 26 years of waiting
+    backdated = {"scheduled_at": dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)}
+    if how == "enqueue":
+        enqueue(conn, "t.ok", {}, **backdated)
+    else:
+        enqueue_many(conn, [("t.ok", {}, backdated), ("t.ok", {}, backdated)])
+    conn.commit()
+    t = next(t for t in stats.overview(conn).types if t.job_type == "t.ok")
+    assert 0 <= t.oldest_waiting_seconds < 60
+    run_burst(dsn)
+    latency = conn.execute("SELECT sum(started) AS n, sum(latency_ms_sum) AS ms FROM job_metrics_minute").fetchone()
+    assert latency is not None and latency["n"] == (1 if how == "enqueue" else 2)
+    assert 0 <= latency["ms"] < 60_000 * latency["n"]
+
+
 @pytest.mark.parametrize(
     ("job_type", "overrides"),
     [("t.ledger", {}), ("t.ledger", {"group_max": 1}), ("t.async_ok", {})],

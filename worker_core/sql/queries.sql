@@ -7,12 +7,15 @@
 -- Producing
 ------------------------------------------------------------------------------------------------------
 
+-- A scheduled_at in the past is stored as the statement's now: a not-before time already passed means due
+-- now (queue latency, the console's lag and the claim order count from it; a job backdated to 2000 read as
+-- 26 years of latency, and went ahead of every job enqueued before it).
 -- name: insert_job
 INSERT INTO job_queue (
     job_type, queue, payload, priority, max_attempts, scheduled_at, idempotency_key, dedup_key, lock_key,
     timeout_seconds, visibility_timeout_seconds, retry_policy, tenant_id, trace_id, created_at, updated_at)
 SELECT %(job_type)s, %(queue)s, %(payload)s::jsonb, %(priority)s, %(max_attempts)s,
-       coalesce(%(scheduled_at)s::timestamptz, t.now + make_interval(secs => %(delay)s::float8)),
+       greatest(coalesce(%(scheduled_at)s::timestamptz, t.now + make_interval(secs => %(delay)s::float8)), t.now),
        %(idempotency_key)s, %(dedup_key)s, %(lock_key)s, %(timeout_seconds)s, %(visibility_timeout_seconds)s,
        %(retry_policy)s::jsonb, %(tenant_id)s, %(trace_id)s, t.now, t.now
 FROM (SELECT coalesce(%(now)s::timestamptz, statement_timestamp()) AS now) AS t
@@ -25,7 +28,7 @@ INSERT INTO job_queue (
     job_type, queue, payload, priority, max_attempts, scheduled_at, idempotency_key, dedup_key, lock_key,
     timeout_seconds, visibility_timeout_seconds, retry_policy, tenant_id, trace_id, created_at, updated_at)
 SELECT t.job_type, t.queue, t.payload, t.priority, t.max_attempts,
-       coalesce(t.scheduled_at, n.now + make_interval(secs => t.delay)), t.idempotency_key,
+       greatest(coalesce(t.scheduled_at, n.now + make_interval(secs => t.delay)), n.now), t.idempotency_key,
        t.dedup_key, t.lock_key, t.timeout_seconds, t.visibility_timeout_seconds, t.retry_policy,
        t.tenant_id, t.trace_id, n.now, n.now
 FROM (SELECT coalesce(%(now)s::timestamptz, statement_timestamp()) AS now) AS n, unnest(
