@@ -15,6 +15,7 @@ An override without a reason is refused with a clear error where it is declared.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,14 +46,25 @@ class PolicyError(ValueError):
     """A policy file or override breaks the rules (unknown field, bad value, no reason)."""
 
 
+_DIGITS_RE = re.compile(r"[0-9]+")
+_WHAT = {int: "an integer", float: "a number", str: "a string"}
+
+
 def _coerce(name: str, value: Any, where: str) -> Any:
+    """A policy field's value as its type, from a file's value or an environment variable's text. A value of
+    another type is refused, never converted: ``int(2.9)`` made a budget of 2 attempts, ``int(True)`` one."""
     kind = _TYPES.get(name, float)
+    text = value.strip() if isinstance(value, str) else None
     try:
-        if kind is float and isinstance(value, bool):
+        if isinstance(value, bool):  # a bool is an int to Python, not to a policy
+            raise TypeError
+        if kind is int and not isinstance(value, int) and not (text is not None and _DIGITS_RE.fullmatch(text)):
+            raise TypeError
+        if kind is str and text is None:
             raise TypeError
         return kind(value)
     except (TypeError, ValueError):
-        raise PolicyError(f"{where}: {name} must be {kind.__name__}, not {value!r}") from None
+        raise PolicyError(f"{where}: {name} must be {_WHAT[kind]}, not {value!r}") from None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ reason, and the effective contract of each type with where each value comes from
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,6 +62,29 @@ def test_a_queue_override_without_a_reason_is_refused(tmp_path: Path) -> None:
     path.write_text("[defaults]\ntimeout_seconds = 100\nvisibility_timeout_seconds = 101\n")
     with pytest.raises(PolicyError, match="not a valid contract"):
         policy.load(path, environ={})
+
+
+WRONG_TYPES = [
+    ("max_attempts = 2.9", "max_attempts must be an integer, not 2.9"),
+    ("max_attempts = true", "max_attempts must be an integer, not True"),
+    ('max_attempts = "8.5"', "max_attempts must be an integer, not '8.5'"),
+    ("timeout_seconds = true", "timeout_seconds must be a number, not True"),
+    ("backoff = 5", "backoff must be a string, not 5"),
+]
+
+
+@pytest.mark.parametrize(("toml", "error"), WRONG_TYPES, ids=[w[0] for w in WRONG_TYPES])
+def test_a_policy_value_of_the_wrong_type_is_refused_not_converted(tmp_path: Path, toml: str, error: str) -> None:
+    # int() truncated it: max_attempts = 2.9 loaded as 2, max_attempts = true as 1 (one attempt for every job)
+    path = tmp_path / "qconsole.toml"
+    path.write_text(f"[defaults]\n{toml}\n")
+    with pytest.raises(PolicyError, match=f"^{re.escape(f'{path} [defaults]: {error}')}$"):
+        policy.load(path, environ={})
+    with pytest.raises(PolicyError, match=r"^\$QCONSOLE_MAX_ATTEMPTS: max_attempts must be an integer, not '2\.9'$"):
+        policy.from_mapping({}, "built-in", environ={"QCONSOLE_MAX_ATTEMPTS": "2.9"})
+    # an environment variable is text: its digits are an integer
+    from_env = policy.from_mapping({}, "built-in", environ={"QCONSOLE_MAX_ATTEMPTS": "8"})
+    assert from_env.defaults.values["max_attempts"] == 8
 
 
 def test_effective_contract_says_where_each_value_comes_from(deployment: policy.DeploymentPolicy) -> None:
