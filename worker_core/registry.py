@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from worker_core import policy
-from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, TypeDefaults
+from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, TypeDefaults, _number
 from worker_core.models import TypeContract
 from worker_core.retry import RetryPolicy
 
@@ -67,12 +67,21 @@ class Task:
         if self.max_attempts is not None:
             out["max_attempts"] = self.max_attempts
         if self.timeout is not None:
-            out["timeout_seconds"] = float(self.timeout)
+            out["timeout_seconds"] = self._seconds("timeout", self.timeout)
         if self.visibility_timeout is not None:
-            out["visibility_timeout_seconds"] = float(self.visibility_timeout)
+            out["visibility_timeout_seconds"] = self._seconds("visibility_timeout", self.visibility_timeout)
         if self.retry is not None:
             out.update(self.retry.overrides())
         return out
+
+    def _seconds(self, name: str, value: Any) -> float:
+        """A timeout as enqueue takes one: a finite number, never a bool (``float(True)`` registered a type
+        whose jobs timed out after 1 s)."""
+        problems: list[str] = []
+        seconds = _number(problems, name, value)
+        if seconds is None:
+            raise ValueError(f"@task({self.job_type!r}): {problems[0]}")
+        return seconds
 
     def layer(self) -> policy.Layer | None:
         found = self.overrides()

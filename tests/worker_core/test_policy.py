@@ -51,6 +51,14 @@ def test_an_override_without_a_reason_is_refused_at_registration() -> None:
     Registry().register(Task("x.plain", handler))  # inheriting everything needs no reason
 
 
+@pytest.mark.parametrize("field", ["timeout", "visibility_timeout"])
+def test_a_task_timeout_of_the_wrong_type_is_refused_not_converted(field: str) -> None:
+    # float(True) ran before any check: @task(timeout=True) registered a type whose jobs timed out after 1 s
+    for wrong in (True, "30"):
+        with pytest.raises(ValueError, match=rf"^@task\('x.wrong'\): {field} must be a finite number, not {wrong!r}$"):
+            Registry().register(Task("x.wrong", handler, reason="it is quick", **{field: wrong}))
+
+
 def test_a_queue_override_without_a_reason_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "qconsole.toml"
     path.write_text("[queues.mail]\nmax_attempts = 3\n")
