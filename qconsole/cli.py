@@ -519,7 +519,8 @@ def enqueue(
     # deployment's defaults, and a valid one refused (a lease shorter than the default timeout, say)
     with connect(dsn) as conn:
         guarded(lambda: _warn_if_unregistered(conn, job_type, queue))  # a database error there: its exit code
-        result = guarded(lambda: enqueue_job(conn, job_type, body, **envelope))
+        with _without_producer_warnings():  # said above, in the CLI's words (--tasks)
+            result = guarded(lambda: enqueue_job(conn, job_type, body, **envelope))
     typer.echo(str(result.id) if result.created else f"duplicate of {result.id}")
 
 
@@ -533,6 +534,17 @@ def _parse_scheduled_at(text: str) -> dt.datetime:
     if at.tzinfo is None:
         fail(f"--scheduled-at: {text!r} has no time zone: add Z (UTC) or an offset such as +01:00", 2)
     return at
+
+
+@contextmanager
+def _without_producer_warnings() -> Iterator[None]:
+    producer_log = logging.getLogger("worker_core.producer")
+    quiet = logging.Filter("(none)")  # a filter that passes no record of this logger's
+    producer_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        producer_log.removeFilter(quiet)
 
 
 def _warn_if_unregistered(conn: db.Conn, job_type: str, queue: str | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -75,12 +76,21 @@ class Registered:
 _registered_cache: dict[tuple[str, str], tuple[float, Registered | None]] = {}
 REGISTERED_TTL_SECONDS = 60.0
 
+log = logging.getLogger("worker_core.producer")
+#: (database, job_type) of the types this process was warned of (see registered_defaults), once each
+_warned_unregistered: set[tuple[str, str]] = set()
+WARNED_MAX = 10_000
+
 
 def registered_defaults(
-    conn: AnyConn, job_types: Iterable[str], registry: Registry | None = None
+    conn: AnyConn, job_types: Iterable[str], registry: Registry | None = None, *, warn: bool = False
 ) -> dict[str, Registered]:
     """The contracts the workers registered (job_type_contracts) for the types this process has no @task for,
-    so a producer that never imports the handlers still enqueues under the handlers' contract."""
+    so a producer that never imports the handlers still enqueues under the handlers' contract.
+
+    ``warn``: a type with neither is logged, once per process and database: its jobs take the deployment's
+    defaults (timeout, attempts, no idempotency key required), not its @task's, and nothing said so (the
+    CLI's enqueue did; a producer's library call was silent)."""
     local = registry or default_registry
     now = time.monotonic()
     database = f"{conn.info.host}:{conn.info.port}/{conn.info.dbname}"
@@ -101,6 +111,15 @@ def registered_defaults(
         d = _registered_cache.get((database, t), (0.0, None))[1]
         if d is not None:
             out[t] = d
+        elif warn and (database, t) not in _warned_unregistered and len(_warned_unregistered) < WARNED_MAX:
+            _warned_unregistered.add((database, t))
+            log.warning(
+                "job type %r has no @task in this process and no worker has registered it on %s yet: its jobs"
+                " take the deployment's defaults (timeout, attempts; no idempotency key required), not its"
+                " @task's, until a worker of it starts (or this process imports its task module)",
+                t,
+                database,
+            )
     return out
 
 
@@ -187,7 +206,7 @@ def enqueue(
         {} if payload is None else payload,
         envelope,
         registry,
-        registered_defaults(conn, [job_type], registry),
+        registered_defaults(conn, [job_type], registry, warn=True),
     )
     now = statement_now(clock)
     params = {**_params(env), "now": now}
@@ -244,7 +263,7 @@ def enqueue_many(
     items = list(jobs)
     malformed = {i: wrong for i, item in enumerate(items) if (wrong := _malformed_item(item)) is not None}
     well_formed = [item for i, item in enumerate(items) if i not in malformed]
-    registered = registered_defaults(conn, {item[0] for item in well_formed}, registry)
+    registered = registered_defaults(conn, {item[0] for item in well_formed}, registry, warn=True)
     envs: list[Envelope] = []
     problems: list[str] = []
     for i, item in enumerate(items):

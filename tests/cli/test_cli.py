@@ -421,7 +421,21 @@ def test_enqueue_of_a_type_no_worker_registered_says_whose_defaults_apply(cli: A
     # the deployment's defaults, without a word, while the type's @task says billing
     out = cli("enqueue", "billing.unknown-yet")
     assert "no worker has registered job type 'billing.unknown-yet'" in out.stderr
+    assert "has no @task in this process" not in out.stderr  # the library's own warning: said once, not twice
+    import tests.worker_core.tasks  # noqa: F401  # its @task here (alone, this test relied on another's import)
+
     assert "no worker has registered" not in cli("enqueue", "t.ok").stderr  # this process imported its @task
+
+
+def test_enqueue_says_an_unregistered_type_once_in_its_own_words(dsn: str) -> None:
+    # the library's warning (for producers that call enqueue) came on top of the CLI's, in a real process
+    from tests.worker_core.helpers import subprocess_env
+
+    env = {**subprocess_env(), "QCONSOLE_DSN": dsn}
+    argv = [sys.executable, "-m", "qconsole", "enqueue", "billing.unknown-yet"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("billing.unknown-yet") == 1 and "--tasks was not given" in done.stderr
 
 
 def test_the_console_on_a_database_not_migrated_says_so_before_it_opens(

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from qconsole.cli import app
 from worker_core import db, policy
 from worker_core.policy import PolicyError
-from worker_core.producer import enqueue
+from worker_core.producer import enqueue, enqueue_many
 from worker_core.registry import Registry, Task
 from worker_core.retry import RetryPolicy
 
@@ -188,6 +188,32 @@ def test_a_producer_without_the_handlers_enqueues_under_the_registered_contract(
     rows = {r["id"]: r for r in conn.execute("SELECT id, max_attempts, timeout_seconds FROM job_queue")}
     assert (rows[before]["max_attempts"], rows[before]["timeout_seconds"]) == (5, 60.0)
     assert (rows[after]["max_attempts"], rows[after]["timeout_seconds"]) == (2, 2.0)
+
+
+def test_a_producer_is_told_once_when_a_type_is_neither_its_own_nor_registered(
+    dsn: str, conn: db.Conn, caplog: pytest.LogCaptureFixture
+) -> None:
+    # it took the deployment's defaults (no idempotency key required, 60 s, 5 attempts) and said nothing:
+    # only the CLI's enqueue warned
+    from tests.worker_core.helpers import run_burst
+    from worker_core import producer
+
+    producer._registered_cache.clear()
+    producer._warned_unregistered.clear()
+    caplog.set_level("WARNING", logger="worker_core.producer")
+    enqueue(conn, "t.crash", {}, registry=Registry())
+    enqueue_many(conn, [("t.crash", {}), ("t.ok", {})], registry=Registry())
+    said = [r.getMessage() for r in caplog.records if r.name == "worker_core.producer"]
+    assert len(said) == 2 and "'t.crash' has no @task in this process" in said[0] and "'t.ok'" in said[1]
+    assert "deployment's defaults" in said[0]
+    conn.execute("UPDATE job_queue SET state = 'cancelled'")  # t.crash ends its process
+    run_burst(dsn)  # its workers register it: not said again, nor for a type this process has its @task for
+    producer._registered_cache.clear()
+    producer._warned_unregistered.clear()
+    caplog.clear()
+    enqueue(conn, "t.crash", {}, registry=Registry())
+    enqueue(conn, "t.brand_new", {})  # tests.worker_core.tasks is imported here: not in its registry either
+    assert [r.getMessage()[:26] for r in caplog.records] == ["job type 't.brand_new' has"]
 
 
 def test_a_producer_without_the_handlers_sends_a_registered_type_to_another_queue(
