@@ -1022,7 +1022,22 @@ def limit(
             typer.echo(f"{job_type} in {queue}: at most {max_running} running")
 
 
+def _undecodable_argument(argv: Sequence[str]) -> str | None:
+    """The first argument that is not UTF-8 text (Python keeps its bytes as surrogates): an error at the
+    first write, "'utf-8' codec can't encode character '\\udcff' in position 19", said nothing of which."""
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            return arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return None
+
+
 def main() -> None:
+    bad = _undecodable_argument(sys.argv[1:])
+    if bad is not None:
+        print(f"error: an argument is not UTF-8 text, nothing was done: {bad}", file=sys.stderr)
+        sys.exit(2)
     try:
         app()
     except KeyboardInterrupt:

@@ -438,6 +438,19 @@ def test_enqueue_says_an_unregistered_type_once_in_its_own_words(dsn: str) -> No
     assert done.stderr.count("billing.unknown-yet") == 1 and "--tasks was not given" in done.stderr
 
 
+def test_an_argument_that_is_not_utf8_is_refused_by_name(dsn: str, conn: db.Conn, make_job: Callable[..., Any]) -> None:
+    # a --reason with a Latin-1 byte failed at the audit's write: "error: 'utf-8' codec can't encode
+    # character '\\udcff' in position 19: surrogates not allowed", which said nothing of which argument
+    from tests.worker_core.helpers import subprocess_env
+
+    jid = str(make_job("t.ok"))
+    argv = [sys.executable, "-m", "qconsole", "kill", jid, "--reason", "caf\udce9 down"]
+    env = {**subprocess_env(), "QCONSOLE_DSN": dsn}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT, errors="replace")
+    assert done.returncode == 2 and "not UTF-8 text, nothing was done: caf\\xe9 down" in done.stderr
+    assert stats.get_job(conn, jid).state.value == "queued"
+
+
 def test_the_console_on_a_database_not_migrated_says_so_before_it_opens(
     cli: Any, admin_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
