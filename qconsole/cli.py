@@ -909,6 +909,19 @@ def kill(
     _exit_for_skipped(result)
 
 
+@app.command()
+def discard(
+    job_ids: Annotated[list[str], typer.Argument(help="Job ids (dead_lettered or failed).")],
+    reason: ReasonOpt = None,
+    dsn: DsnOpt = None,
+) -> None:
+    """Give up on dead letters: cancelled, off the dead-letter list, never run again (requeue undoes it)."""
+    with connect(dsn) as conn:
+        result = guarded(lambda: ops.discard(conn, job_ids, reason=reason))
+    output.action(result)
+    _exit_for_skipped(result)
+
+
 def _exit_for_skipped(result: ActionResult) -> None:
     """Exit 1 (not found or refused) when a job named does not exist, or when nothing changed: a script
     that requeues or kills must not read success from a command that did nothing."""

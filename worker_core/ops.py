@@ -267,8 +267,8 @@ def requeue(
 def _why_skipped(conn: Conn, action: str, skipped: list[uuid.UUID]) -> dict[uuid.UUID, str]:
     """A skipped job's reason, said to the operator, not "changed meanwhile" (they would think someone else
     acted): no such job; for a requeue, a dead job whose dedup key a live job holds (a later run of the same
-    periodic job, say); for a kill, a job already being killed (its worker stops it within a heartbeat);
-    else the state it is in."""
+    periodic job, say); for a kill, a job already being killed (its worker stops it within a heartbeat), or
+    a dead letter (a discard is what ends one); else the state it is in."""
     if not skipped:
         return {}
     rows = {r["id"]: r for r in conn.execute(queries["jobs_state_and_dedup"], {"ids": skipped})}
@@ -281,6 +281,8 @@ def _why_skipped(conn: Conn, action: str, skipped: list[uuid.UUID]) -> dict[uuid
             out[jid] = "a live job (or a newer requeued one) holds its dedup key"
         elif action == "kill" and row["state"] == "running" and row["cancel_requested"]:
             out[jid] = "it is being killed already"
+        elif action == "kill" and row["state"] in ("dead_lettered", "failed"):
+            out[jid] = f"it is {row['state']}: discard it (it ends cancelled) or requeue it"
         else:
             out[jid] = f"it is {row['state']}"
     return out
@@ -324,6 +326,36 @@ def kill(
         skipped = [i for i in ids if i not in done]
         why = _why_skipped(conn, "kill", skipped)
     return ActionResult("kill", len(ids), changed, skipped, audit_id, why)
+
+
+def discard(
+    conn: Conn,
+    job_ids: Iterable[uuid.UUID | str],
+    *,
+    actor: Actor | None = None,
+    reason: str | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+    token: str | None = None,
+) -> ActionResult:
+    """dead_lettered | failed -> cancelled: dead letters an operator gives up on (a payload that can never
+    succeed) leave the dead-letter screen and counts, never to run again; a requeue brings one back. Their
+    error history keeps what they died of, and the discard (``Discarded``, who, why)."""
+    ids = _ids(job_ids)
+    actor = actor or Actor.current()
+    now = now_on(conn, clock)
+    message = f"discarded by {actor}" + (f": {reason}" if reason else "")
+    with conn.transaction():
+        ensure_writable(conn)
+        rows = conn.execute(queries["discard_jobs"], {"ids": ids, "now": now, "message": message}).fetchall()
+        changed = [r["id"] for r in rows]
+        audit_id = _audit(
+            conn, now, actor, "discard", job_ids=changed, reason=reason,
+            detail=_with_token({"requested": len(ids)}, token),
+        )  # fmt: skip
+        done = set(changed)
+        skipped = [i for i in ids if i not in done]
+        why = _why_skipped(conn, "discard", skipped)
+    return ActionResult("discard", len(ids), changed, skipped, audit_id, why)
 
 
 def group_job_ids(conn: Conn, job_type: str, fingerprint: str, state: str = "dead_lettered") -> list[uuid.UUID]:

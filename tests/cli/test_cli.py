@@ -1178,7 +1178,17 @@ def test_limit_refuses_a_number_with_clear_and_says_when_a_type_has_no_limit(cli
     assert "check its spelling" in cli("limit", "t.nope", code=1).output
 
 
-@pytest.mark.parametrize("command", ["job", "kill", "requeue"])
+def test_discard_ends_dead_letters_and_kill_points_to_it(cli: Any, conn: db.Conn) -> None:
+    # the runbook's "jobs that can never succeed: qconsole kill ID" was refused for dead letters, exit 1
+    jid = dead_letter(conn)
+    assert "discard it (it ends cancelled) or requeue it" in cli("kill", jid, code=1).output
+    assert "discard: 1 of 1 job(s) changed" in cli("discard", jid, "--reason", "INC-9").output
+    assert stats.get_job(conn, jid).state.value == "cancelled"
+    assert "it is cancelled" in cli("discard", jid, code=1).output  # nothing changed: exit 1
+    assert "'x' is not a job id" in cli("discard", "x", code=2).output
+
+
+@pytest.mark.parametrize("command", ["job", "kill", "requeue", "discard"])
 def test_a_malformed_job_id_is_bad_input_for_every_command(cli: Any, command: str) -> None:
     assert "'not-a-uuid' is not a job id" in cli(command, "not-a-uuid", code=2).output  # job: exit 1
 

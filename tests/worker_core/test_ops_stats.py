@@ -571,6 +571,30 @@ def test_a_skipped_kill_says_why(conn: db.Conn) -> None:
     assert result.why_skipped == {done: "it is succeeded", running: "it is being killed already", ghost: "no such job"}
 
 
+def test_dead_letters_can_be_discarded_and_a_requeue_undoes_it(conn: db.Conn) -> None:
+    # dead letters that could never succeed could not be cleared: kill refused them ("it is dead_lettered"),
+    # and they stayed on the dead-letter screen and in its counts until retention pruned them
+    dead, failed, live = (enqueue(conn, "t.ok", {}).id for _ in range(3))
+    conn.execute(
+        "UPDATE job_queue SET state = CASE WHEN id = %s THEN 'dead_lettered' ELSE 'failed' END, attempts = 1,"
+        " finished_at = now() - interval '1 hour', last_error = 'ValueError: bad VAT id',"
+        " error_fingerprint = 'ValueError: bad VAT id' WHERE id IN (%s, %s)",
+        (dead, dead, failed),
+    )
+    assert "discard it" in ops.kill(conn, [dead], actor=ops.Actor("oncall")).why_skipped[dead]
+    assert stats.dead_letter_groups(conn, states=("dead_lettered", "failed")).dead == 2
+    result = ops.discard(conn, [dead, failed, live], actor=ops.Actor("oncall"), reason="INC-9: bad data")
+    assert (sorted(result.changed), result.why_skipped) == (sorted([dead, failed]), {live: "it is queued"})
+    groups = stats.dead_letter_groups(conn, states=("dead_lettered", "failed"))
+    assert (groups.dead, list(groups)) == (0, [])
+    job = stats.get_job(conn, dead)
+    assert job.state is JobState.CANCELLED and job.last_error == "ValueError: bad VAT id"  # what it died of
+    assert (job.errors[-1].error_class, job.errors[-1].message) == ("Discarded", "discarded by oncall: INC-9: bad data")
+    entry = stats.audit_log(conn)[0]
+    assert (entry.action, entry.reason, sorted(entry.job_ids)) == ("discard", "INC-9: bad data", sorted([dead, failed]))
+    assert ops.requeue(conn, [dead], actor=ops.Actor("oncall")).changed == [dead]  # undone
+
+
 def test_a_kill_of_waiting_jobs_is_counted_as_cancelled(conn: db.Conn) -> None:
     # only workers counted cancelled jobs: the ones an operator killed while they waited were never counted
     ids = [enqueue(conn, "t.ok", {}).id for _ in range(4)]

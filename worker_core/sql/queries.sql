@@ -795,6 +795,24 @@ UPDATE job_queue SET
 WHERE id = ANY(ARRAY(SELECT id FROM target))
 RETURNING id, state = 'cancelled' AS cancelled, queue, job_type;
 
+-- name: discard_jobs
+-- Dead letters an operator gives up on (dead_lettered | failed -> cancelled): off the dead-letter screen and
+-- its counts, never run again (a requeue can still bring one back). Their last error and finished_at stay
+-- (what they died of; retention counts from then); the discard is the newest entry of their history. Rows
+-- locked in id order first (see "Lock order" above heartbeat_jobs).
+WITH target AS MATERIALIZED (
+    SELECT id FROM job_queue WHERE id = ANY(%(ids)s) AND state IN ('dead_lettered', 'failed')
+    ORDER BY id FOR NO KEY UPDATE
+)
+UPDATE job_queue SET
+    state = 'cancelled',
+    errors = errors || jsonb_build_array(jsonb_build_object(
+        'attempt', attempts, 'kind', 'cancelled', 'class', 'Discarded', 'message', %(message)s::text,
+        'worker', NULL, 'at', %(now)s)),
+    updated_at = %(now)s
+WHERE id = ANY(ARRAY(SELECT id FROM target))
+RETURNING id, queue, job_type;
+
 -- name: group_ids
 -- `fingerprint` NULL for the group of jobs with no error recorded (ops.group_job_ids): "=" or IS NULL, each
 -- through job_queue_error_groups_idx, where coalesce(...) = ... read every row of the state.
