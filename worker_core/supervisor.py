@@ -26,7 +26,7 @@ import psycopg
 from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK, now_on
 from worker_core.logs import bound_logger
-from worker_core.signals import STOP_SIGNALS, SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, relay_signals
+from worker_core.signals import STOP_SIGNALS, SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, SignalRelay, relay_signals
 from worker_core.sql import queries
 from worker_core.worker import EXIT_CONFIG, WorkerConfig, run_worker
 
@@ -173,7 +173,9 @@ class Supervisor:
     def _install_signals(self) -> None:
         # not from the handler: see worker_core.signals. SUPERVISOR_STOP too, as a worker takes it (from a
         # console that started this one, say): graceful, never a second signal
-        relay_signals(self._on_signal, (*STOP_SIGNALS, SUPERVISOR_STOP))
+        self._signals = relay_signals(self._on_signal, (*STOP_SIGNALS, SUPERVISOR_STOP))
+
+    _signals: SignalRelay | None = None
 
     def _on_signal(self, signum: int) -> None:
         """The first: stop (the children get SUPERVISOR_STOP, graceful). A second: the children release
@@ -198,6 +200,11 @@ class Supervisor:
             self.log.exception("supervisor error: stopping the worker processes")
             self._shutdown()
             raise
+        finally:
+            # the handlers from before come back and the relay thread ends (worker_core.signals)
+            relay, self._signals = self._signals, None
+            if relay is not None:
+                relay.uninstall()
 
     def _supervise(self) -> int:
         for slot in range(self.processes):

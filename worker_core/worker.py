@@ -52,7 +52,7 @@ from worker_core.logs import bound_logger, job_fields
 from worker_core.metrics import MetricsBuffer
 from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry
-from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, WORKER_SIGNALS, relay_signals
+from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, WORKER_SIGNALS, SignalRelay, relay_signals
 from worker_core.sql import queries
 
 #: a housekeeping round's statements (batches of deletes, an ANALYZE of a large table)
@@ -232,7 +232,14 @@ class Worker:
         return self._stopping.is_set()
 
     def _install_signals(self) -> None:
-        relay_signals(self._on_signal, WORKER_SIGNALS)
+        self._signals = relay_signals(self._on_signal, WORKER_SIGNALS)
+
+    def _uninstall_signals(self) -> None:
+        """At the end of run(), after the shutdown (whose grace a second signal still ends): the handlers
+        that were there before come back, and the relay thread ends (see worker_core.signals)."""
+        relay, self._signals = self._signals, None
+        if relay is not None:
+            relay.uninstall()
 
     def _on_signal(self, signum: int) -> None:
         """SIGTERM, SIGINT, SIGHUP (on the relay thread: worker_core.signals): a graceful stop; a second
@@ -249,10 +256,17 @@ class Worker:
         self.log.info("signal %s: stopping (grace %ss)", signum, self.config.shutdown_grace)
 
     _stop_signals = 0
+    _signals: SignalRelay | None = None
 
     def run(self) -> int:
         """Run until stopped (or, with ``burst``, until nothing is ready or running). Returns an exit code."""
         self._install_signals()
+        try:
+            return self._run()
+        finally:
+            self._uninstall_signals()
+
+    def _run(self) -> int:
         if self.config.metrics_port:
             from worker_core.prometheus import WorkerExporter
 

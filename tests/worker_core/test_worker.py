@@ -1236,6 +1236,31 @@ def test_a_signal_while_the_main_thread_holds_an_event_lock_still_stops(
     ).read_text()
 
 
+def test_a_worker_run_on_the_main_thread_puts_its_signal_handlers_back_when_it_ends(conn: db.Conn, dsn: str) -> None:
+    # each run of a Worker on the main thread (a cron-like loop, an application embedding it) left a relay
+    # thread waiting for signals for ever, which kept that Worker alive: 5 runs, 5 threads, 5 Workers
+    import gc
+    import weakref
+
+    assert threading.current_thread() is threading.main_thread()
+    mine = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, SUPERVISOR_STOP, signal.SIGUSR1]
+    before = {s: signal.getsignal(s) for s in mine}
+    refs = []
+    try:
+        for i in range(3):
+            enqueue(conn, "t.ok", {"item": str(i)})
+            w = Worker(config(dsn))
+            assert w.run() == 0 and w.claimed_total == 1
+            assert {s: signal.getsignal(s) for s in mine} == before  # the handlers from before, back
+            refs.append(weakref.ref(w))
+            del w
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name == "signals"], 5, what="the relay threads to end")
+    wait_for(lambda: gc.collect() >= 0 and not [r for r in refs if r() is not None], 5, what="the workers to be freed")
+
+
 def supervised(sup: Supervisor, timeout: float) -> list[int]:
     """Run a supervised burst in a thread; its exit code, or [] (failing the test) if it did not finish."""
     result: list[int] = []
