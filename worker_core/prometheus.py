@@ -77,8 +77,22 @@ class WorkerExporter:
             self.counters[name].labels(queue, job_type).inc(value)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
-        server, _ = start_http_server(port, addr, registry=self.registry)
-        return server
+        """Serve on ``port`` until ``close()``."""
+        self._server, self._thread = start_http_server(port, addr, registry=self.registry)
+        return self._server
+
+    _server: Any = None
+    _thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        """Stop serving and free the port: the worker's endpoint outlived it (its thread and listening
+        socket), and the next Worker on that port in the same process refused to start."""
+        server, thread, self._server, self._thread = self._server, self._thread, None, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(5)
 
 
 class FleetCollector(Collector):

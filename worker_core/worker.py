@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 from psycopg import sql
@@ -54,6 +54,9 @@ from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry
 from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, WORKER_SIGNALS, SignalRelay, relay_signals
 from worker_core.sql import queries
+
+if TYPE_CHECKING:
+    from worker_core.prometheus import WorkerExporter
 
 #: a housekeeping round's statements (batches of deletes, an ANALYZE of a large table)
 HOUSEKEEPING_TIMEOUT_MS = 300_000
@@ -257,6 +260,8 @@ class Worker:
 
     _stop_signals = 0
     _signals: SignalRelay | None = None
+    #: the Prometheus endpoint (``metrics_port``), closed when run() ends
+    _exporter: WorkerExporter | None = None
 
     def run(self) -> int:
         """Run until stopped (or, with ``burst``, until nothing is ready or running). Returns an exit code."""
@@ -264,6 +269,10 @@ class Worker:
         try:
             return self._run()
         finally:
+            # after the shutdown: its final flush is served too, to a scrape that comes meanwhile
+            if self._exporter is not None:
+                self._exporter.close()
+                self._exporter = None
             self._uninstall_signals()
 
     def _run(self) -> int:
@@ -271,7 +280,9 @@ class Worker:
             from worker_core.prometheus import WorkerExporter
 
             try:
-                WorkerExporter(self.metrics).serve(self.config.metrics_port)
+                exporter = WorkerExporter(self.metrics)
+                exporter.serve(self.config.metrics_port)
+                self._exporter = exporter
             except (OSError, OverflowError) as e:
                 # taken, not ours to bind, or out of range (OverflowError): a configuration to fix, not a crash
                 self.log.error("cannot serve metrics on port %s: %s", self.config.metrics_port, e)

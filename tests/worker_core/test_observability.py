@@ -3,25 +3,29 @@ about a job carries its fields (JSON for machines)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import io
 import json
 import logging
 import socket
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import tests.worker_core.tasks  # noqa: F401 - registers the types, so producers use their policies
-from tests.worker_core.helpers import run_burst
+from tests.worker_core.helpers import WorkerThread, run_burst, wait_for
 from worker_core import db, stats
 from worker_core.logs import setup_logging
 from worker_core.metrics import MetricsBuffer
 from worker_core.producer import enqueue, enqueue_many
-from worker_core.prometheus import serve_fleet
+from worker_core.prometheus import WorkerExporter, serve_fleet
+from worker_core.worker import Worker
 
 
 def free_port() -> int:
@@ -30,13 +34,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Scrape:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+def burst_scrape(
+    monkeypatch: pytest.MonkeyPatch, dsn: str, port: int, setup: Callable[[Worker], None] | None = None, **kw: Any
+) -> Scrape:
+    """Run a burst worker serving its metrics on ``port`` (``setup`` first, on the worker): what its endpoint
+    served when the run was done, the last scrape before the endpoint closes with the worker."""
+    served: Scrape = {}
+    close = WorkerExporter.close
+
+    def scrape_then_close(self: WorkerExporter) -> None:
+        served.update(scrape(port))
+        close(self)
+
+    monkeypatch.setattr(WorkerExporter, "close", scrape_then_close)
+    wt = WorkerThread(dsn, metrics_port=port, **kw)
+    if setup is not None:
+        setup(wt.worker)
+    assert wt.start().join(60) == 0
+    assert served, "the worker's endpoint was not closed"
+    return served
 
 
 def labels(job_type: str, queue: str = "default", **extra: str) -> tuple[tuple[str, str], ...]:
@@ -54,12 +82,12 @@ def known_workload(conn: db.Conn) -> None:
     enqueue(conn, "t.ok", {}, dedup_key="d")  # a dedup hit
 
 
-def test_worker_and_fleet_endpoints_match_the_database(dsn: str, conn: db.Conn) -> None:
+def test_worker_and_fleet_endpoints_match_the_database(
+    dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
     known_workload(conn)
     enqueue(conn, "t.ok", {}, queue="later", delay_seconds=3600)  # waiting, not ready
-    worker_port = free_port()
-    run_burst(dsn, metrics_port=worker_port, concurrency=1)
-    w = scrape(worker_port)
+    w = burst_scrape(monkeypatch, dsn, free_port(), concurrency=1)
     assert w[("qconsole_jobs_succeeded_total", labels("t.ok"))] == 4
     assert w[("qconsole_jobs_started_total", labels("t.flaky"))] == 2
     assert w[("qconsole_jobs_retried_total", labels("t.flaky"))] == 1
@@ -102,6 +130,28 @@ def test_worker_and_fleet_endpoints_match_the_database(dsn: str, conn: db.Conn) 
                                                                     labels("t.flaky"))])  # fmt: skip
 
 
+def test_a_workers_endpoint_closes_with_it_and_the_next_worker_of_the_process_serves_on_its_port(
+    dsn: str, conn: db.Conn
+) -> None:
+    # the endpoint was never shut down: its thread and listening socket outlived the worker, and the next
+    # Worker on that port in the same process refused to start (exit 2, a configuration to fix)
+    def served() -> Scrape:
+        with contextlib.suppress(OSError):
+            return scrape(port)
+        return {}
+
+    port = free_port()
+    servers = {t for t in threading.enumerate() if "serve_forever" in t.name}
+    for run in range(2):
+        enqueue(conn, "t.ok", {})
+        wt = WorkerThread(dsn, metrics_port=port, burst=False).start()
+        wait_for(lambda: served().get(("qconsole_jobs_succeeded_total", labels("t.ok"))) == 1, what=f"run {run}")
+        assert wt.stop() == 0
+        with pytest.raises(OSError):
+            scrape(port)  # closed with its worker
+        assert {t for t in threading.enumerate() if "serve_forever" in t.name} == servers
+
+
 def test_the_fleet_endpoint_says_the_database_is_down_when_it_stops_answering(dsn: str) -> None:
     # TCP still acknowledged: the scrape waited on the hung server (the Prometheus client timed out), and
     # qconsole_database_up 0 never came
@@ -124,17 +174,17 @@ def test_the_fleet_endpoint_says_the_database_is_down_when_it_stops_answering(ds
         proxy.close()
 
 
-def test_histograms_observe_each_job_of_a_group_not_the_groups_sum(dsn: str, conn: db.Conn) -> None:
+def test_histograms_observe_each_job_of_a_group_not_the_groups_sum(
+    dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Jobs sharing a transaction: their counters go to the buffer summed per group, but a histogram that
     observed the sum saw one huge latency instead of twelve small ones."""
-    from tests.worker_core.helpers import WorkerThread
-
     enqueue_many(conn, [("t.ledger", {"item": f"i{i}"}, {"idempotency_key": f"g{i}"}) for i in range(12)])
-    port = free_port()
-    wt = WorkerThread(dsn, concurrency=1, prefetch=20, group_seconds=10.0, metrics_port=port)
-    wt.worker.observe_handler("t.ledger", 0.01)  # measured: handed out as one group
-    assert wt.start().join(60) == 0
-    w = scrape(port)
+
+    def measured(w: Worker) -> None:
+        w.observe_handler("t.ledger", 0.01)  # measured: handed out as one group
+
+    w = burst_scrape(monkeypatch, dsn, free_port(), measured, concurrency=1, prefetch=20, group_seconds=10.0)
     assert w[("qconsole_jobs_succeeded_total", labels("t.ledger"))] == 12
     assert w[("qconsole_job_queue_latency_seconds_count", labels("t.ledger"))] == 12
     assert w[("qconsole_job_duration_seconds_count", labels("t.ledger"))] == 12
@@ -168,7 +218,7 @@ def test_a_backdated_job_waits_and_starts_from_its_enqueue_not_its_scheduled_at(
     ids=["grouped", "alone", "async"],
 )
 def test_an_idempotency_hit_is_neither_a_handler_start_nor_handler_time(
-    dsn: str, conn: db.Conn, job_type: str, overrides: dict[str, int]
+    dsn: str, conn: db.Conn, job_type: str, overrides: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A job settled by an idempotency hit runs no handler: it was counted as started, with a queue latency
     and a handler duration of ~0 s, and the handler's average read a quarter of its 0.5 s."""
@@ -178,9 +228,7 @@ def test_an_idempotency_hit_is_neither_a_handler_start_nor_handler_time(
     before = conn.execute(sums).fetchone()
     for _ in range(3):  # replays of an effect committed already
         enqueue(conn, job_type, {"item": "a", "sleep": 0.5}, idempotency_key="k")
-    port = free_port()
-    run_burst(dsn, concurrency=1, metrics_port=port, **overrides)
-    w = scrape(port)
+    w = burst_scrape(monkeypatch, dsn, free_port(), concurrency=1, **overrides)
     assert w[("qconsole_idempotency_hits_total", labels(job_type))] == 3
     assert w[("qconsole_jobs_succeeded_total", labels(job_type))] == 3
     assert w.get(("qconsole_jobs_started_total", labels(job_type)), 0) == 0
