@@ -185,6 +185,7 @@ class Worker:
         #: the slot load of a job of each measured type that runs in groups (see job_load)
         self._type_load: dict[str, float] = {}
         self._threads: list[threading.Thread] = []
+        self._threads_lock = threading.Lock()
         self._claim_conn: db.Conn | None = None
         #: the last claim found as many jobs as it asked for: the next waits for the WAL flush
         self._backlog = False
@@ -319,9 +320,12 @@ class Worker:
         return 0
 
     def _spawn(self, target: Any, name: str, *args: Any) -> None:
+        """A thread of this worker, recorded in ``_threads`` while it lives: the ended ones are dropped here
+        (a long-lived worker kept one record per abandoned handler's replacement slot, for ever)."""
         t = threading.Thread(target=target, args=args, name=f"{name}", daemon=True)
         t.start()
-        self._threads.append(t)
+        with self._threads_lock:  # the claimer and the watchdog (_abandon) both spawn
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
     def _shutdown(self) -> None:
         # jobs still waiting in the prefetch buffer are not started during a shutdown: released at once

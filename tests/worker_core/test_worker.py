@@ -280,6 +280,19 @@ def test_an_abandoned_handler_holds_no_lock_its_next_attempt_needs(conn: db.Conn
     assert job(dsn, j)["attempts"] == 2
 
 
+def test_a_long_lived_worker_keeps_no_record_of_the_slot_threads_it_abandoned(conn: db.Conn, dsn: str) -> None:
+    # Worker._threads kept every thread it had started: one more per abandoned handler, for the worker's life
+    for i in range(6):  # deaf to their timeout of 1 s: abandoned and replaced, three at a time
+        enqueue(conn, "t.stubborn", {"seconds": 1.4, "item": f"s{i}"})
+    with running_worker(dsn, concurrency=3, cancel_grace=0.1, heartbeat_interval=0.3) as w:
+        wait_for(lambda: w.zombies == 6, 30, what="six abandonments")
+        wait_for(lambda: len([t for t in threading.enumerate() if t.name.startswith("slot-")]) == 3, 10,
+                 what="the abandoned handlers to return")  # fmt: skip
+        # what is left: the threads alive, and those that ended since the last replacement was started
+        assert sum(not t.is_alive() for t in w._threads) <= 3, w._threads
+    assert ledger(dsn) == []
+
+
 def test_only_the_thread_that_uses_a_connection_closes_it(
     conn: db.Conn, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
