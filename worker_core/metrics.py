@@ -40,8 +40,6 @@ class MetricsBuffer:
         self.clock = clock
         self._lock = threading.Lock()
         self._rows: dict[Key, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COUNTERS + SUMS, 0))
-        #: process-lifetime totals, for the worker's own Prometheus endpoint
-        self.totals: dict[tuple[str, str, str], float] = defaultdict(float)
         self.observers: list[Any] = []
         #: flushes whose COMMIT went unanswered, by transaction id (flush)
         self._unknown: list[tuple[str, dict[Key, dict[str, float]]]] = []
@@ -50,7 +48,6 @@ class MetricsBuffer:
         minute = self.clock.now().replace(second=0, microsecond=0)
         with self._lock:
             self._rows[(minute, queue, job_type)][name] += value
-            self.totals[(queue, job_type, name)] += value
         for obs in self.observers:
             obs(queue, job_type, name, value)
 
@@ -61,12 +58,10 @@ class MetricsBuffer:
         may be the sums of several jobs (a group's): then ``samples`` holds each job's own, which is what
         the observers (the worker's histograms) see."""
         minute = self.clock.now().replace(second=0, microsecond=0)
-        totals = self.totals
         with self._lock:
             row = self._rows[(minute, queue, job_type)]
             for name, value in values.items():
                 row[name] += value
-                totals[(queue, job_type, name)] += value
         if self.observers:
             for obs in self.observers:
                 for one in samples if samples is not None else (values,):

@@ -338,6 +338,19 @@ def test_a_count_added_as_a_float_is_flushed_as_an_integer(conn: db.Conn) -> Non
     assert row is not None and (row["started"], row["succeeded"], float(row["duration_ms_sum"])) == (2, 1, 1.5)
 
 
+def test_a_flushed_metrics_buffer_keeps_nothing_of_the_queues_and_types_it_counted(conn: db.Conn) -> None:
+    # MetricsBuffer.totals, read by nothing, kept an entry per (queue, job type, counter) for the life of the
+    # process (and cost a dict update per counter on the hot path)
+    buffer = MetricsBuffer()
+    for i in range(50):
+        buffer.add(f"q{i}", "t.ok", "started")
+        buffer.add_many(f"q{i}", "t.ok", {"succeeded": 1, "duration_ms_sum": 2.0})
+    assert buffer.flush(conn) == 50
+    assert conn.execute("SELECT sum(succeeded) AS n FROM job_metrics_minute").fetchone() == {"n": 50}
+    kept = {k: len(v) for k, v in vars(buffer).items() if isinstance(v, (dict, list)) and k != "observers"}
+    assert kept == {"_rows": 0, "_unknown": 0}
+
+
 def test_a_flush_whose_commit_reply_is_lost_is_counted_once(dsn: str, conn: db.Conn) -> None:
     # the counts were put back and flushed again: the server had committed them, and every rate and chart
     # of that minute read double
