@@ -215,8 +215,11 @@ class Supervisor:
                 if proc.is_alive():
                     continue
                 proc.join()
+                # forgotten whatever comes next: a child that had beaten, then died, kept its entry for ever
+                started_at = self._started_at.pop(worker_id, 0.0)
                 if self.config.burst and proc.exitcode == 0:
                     del self.children[slot]
+                    self._refusals.pop(worker_id, None)
                     continue
                 # whatever it died of, what it held is released now (a child that refused its configuration
                 # held nothing: its row only says stopped)
@@ -229,7 +232,7 @@ class Supervisor:
                     del self.children[slot]
                     self.refused += 1
                     continue
-                if beat is False and time.monotonic() - self._started_at.pop(worker_id, 0.0) < STARTUP_SECONDS:
+                if beat is False and time.monotonic() - started_at < STARTUP_SECONDS:
                     self._stillborn += 1  # died at its start, before its first beat
                 elif beat:
                     self._stillborn = 0

@@ -1398,6 +1398,36 @@ def test_a_supervisor_whose_workers_die_before_their_first_heartbeat_gives_up(ds
     assert sup.restarts == GIVE_UP_AFTER - 1  # every death before the last was restarted
 
 
+def test_a_supervisor_forgets_the_start_times_of_its_dead_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the start time of a dead child was popped only if it had never beaten (``beat is False and ...pop()``,
+    # short-circuited): children that crash after their first beat (os._exit in a handler, the OOM killer)
+    # left one entry each, for the supervisor's life
+    class Crashed:  # a child process that died at once, after a beat (see _expire below)
+        exitcode, pid = 13, None
+
+        def __init__(self, **_: Any) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def is_alive(self) -> bool:
+            return False
+
+        def join(self, *_: Any) -> None:
+            pass
+
+    sup = Supervisor(config("postgresql://unused/x"), processes=10)  # 30 deaths before any backoff
+    sup.ctx = cast(Any, SimpleNamespace(Process=Crashed, Value=lambda *_, **__: SimpleNamespace(value=0)))
+    monkeypatch.setattr(sup, "_expire", lambda worker_id: True)  # it had beaten: a crash, not a stillbirth
+    t = threading.Thread(target=sup._supervise, daemon=True)
+    t.start()
+    wait_for(lambda: sup.restarts >= 25, 20, what="25 restarts")
+    sup.stop()
+    t.join(10)
+    assert len(sup._started_at) <= 10 and len(sup._refusals) <= 10, (len(sup._started_at), len(sup._refusals))
+
+
 def test_a_supervisor_that_cannot_start_a_worker_stops_the_ones_it_started(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
