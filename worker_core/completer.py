@@ -23,8 +23,12 @@ class Completer:
     """Settles, in batches, the successes that have no effect to commit with them (see execution.Slot: a
     handler that never asked for ``ctx.tx``, no idempotency key).
 
-    A job waits here at most a few milliseconds; if the worker dies first, the job's lease expires and it
-    runs again, which is harmless for a job that wrote nothing transactional and has no idempotency key."""
+    A job waits here a few milliseconds, as a rule; if the worker dies first, the job's lease expires and it
+    runs again, which is harmless for a job that wrote nothing transactional and has no idempotency key.
+    While the worker lives, the heartbeat extends the leases of the jobs waiting here (``waiting``), as of
+    those running: when a settlement cannot go through for a while (a row lock it waits on, the database
+    away), they were run again by another worker, or by this one, as their first run waited to be settled.
+    The worker claims nothing more while ``max_in_flight`` jobs wait here (Worker._may_claim)."""
 
     FLUSH_SECONDS = 0.005
     MAX_BATCH = 500
@@ -39,6 +43,8 @@ class Completer:
         self._exited = threading.Event()
         self._conn: db.Conn | None = None
         self._give_up_at = 0.0
+        #: the batch being settled, out of _pending meanwhile
+        self._flushing: list[Execution] = []
         self.flushed = 0
 
     def add(self, ex: Execution) -> None:
@@ -55,7 +61,16 @@ class Completer:
         self._exited.wait(timeout)
 
     def pending(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._flushing)
+
+    def waiting(self) -> list[Execution]:
+        """The jobs not settled yet: the batch being settled and those waiting for the next (the heartbeat
+        extends their leases)."""
+        while True:
+            try:  # a copy while the slots append (a deque cannot be iterated as it changes)
+                return self._flushing + list(self._pending)
+            except RuntimeError:
+                continue
 
     def _connect(self) -> db.Conn:
         if self._conn is None or self._conn.closed or self._conn.broken:
@@ -78,8 +93,10 @@ class Completer:
                     time.sleep(self.FLUSH_SECONDS)  # let a batch gather
                 while self._pending:
                     batch = [self._pending.popleft() for _ in range(min(self.MAX_BATCH, len(self._pending)))]
+                    self._flushing = batch
                     try:
                         self._flush(batch)
+                        self._flushing = []
                         backoff = 0.05
                     except Exception as e:  # the thread must live on: the batch is tried again
                         if isinstance(e, psycopg.Error):
@@ -88,6 +105,7 @@ class Completer:
                         else:
                             self.w.log.exception("completer error; retrying")
                         self._pending.extendleft(reversed(batch))
+                        self._flushing = []
                         if self._stop.is_set() and time.monotonic() > self._give_up_at:
                             self.w.log.warning("completer: %s jobs not settled: they run again", len(self._pending))
                             return

@@ -718,8 +718,13 @@ class Worker:
         return kept + [r for r in surplus if r["id"] not in released]
 
     def _may_claim(self) -> bool:
-        """Not while a job runs alone, nor while draining for one; else when a slot is free."""
+        """Not while a job runs alone, nor while draining for one, nor while the completer has as many jobs
+        to settle as the worker may hold in flight; else when a slot is free."""
         if self._solo_in_flight:
+            return False
+        if self.completer.pending() >= self.max_in_flight:
+            # it cannot settle (a row lock it waits on, the database away) while claims go through: the jobs
+            # it waits to settle (and the heartbeat extends) grew with every claim, without limit
             return False
         if self._want_solo and self._in_flight and time.monotonic() < self._solo_drain_until:
             return False
@@ -954,11 +959,15 @@ class Worker:
         conn = self._heartbeat_conn()
         now = self.clock.now()
         in_flight = list(self._in_flight.values())
-        if in_flight:
+        # and the jobs whose handler is done, waiting for the completer to settle them: their leases ran out
+        # while it could not (a row locked by an operator's open transaction, the database away), and they
+        # were run again. Its fenced settlement finds what became of them: nothing to cancel here
+        settling = self.completer.waiting()
+        if in_flight or settling:
+            ids = [ex.job["id"] for ex in in_flight] + [ex.job["id"] for ex in settling]
             with conn.transaction():
                 rows = conn.execute(
-                    queries["heartbeat_jobs"],
-                    {"now": now, "worker": self.id, "ids": array_literal([ex.job["id"] for ex in in_flight])},
+                    queries["heartbeat_jobs"], {"now": now, "worker": self.id, "ids": array_literal(ids)}
                 ).fetchall()
             held = {r["id"]: r for r in rows}
             for ex in in_flight:

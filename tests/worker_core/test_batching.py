@@ -90,6 +90,84 @@ def test_a_batched_success_is_counted_only_once_its_settlement_went_through(dsn:
     assert metric(dsn, "succeeded", "t.ok") == 1
 
 
+def test_jobs_waiting_in_the_completer_keep_their_leases_while_it_cannot_settle_them(
+    dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an operator's open transaction holds the row of one job the completer settles: its statement waits (up
+    # to the statement timeout), and the jobs behind it, out of the in-flight set, had their leases extended
+    # by no heartbeat: they ran out, and the jobs were run again while their first run still waited to be
+    # settled
+    from worker_core.completer import Completer
+
+    lease = {"timeout_seconds": 0.5, "visibility_timeout_seconds": 6}
+    held = enqueue(conn, "t.ok", {}, **lease).id
+    later = [enqueue(conn, "t.ok", {"i": i}, delay_seconds=1, **lease).id for i in range(3)]  # behind it
+    ids = [held, *later]
+    operator = db.connect(dsn)
+    flush = Completer._flush
+    holding: list[uuid.UUID] = []
+
+    def behind_the_operator(self: Completer, batch: list[Any]) -> None:
+        if not holding:
+            holding.extend(ex.job["id"] for ex in batch)
+            operator.execute("SELECT 1 FROM job_queue WHERE id = %s FOR UPDATE", (held,))
+        flush(self, batch)
+
+    monkeypatch.setattr(Completer, "_flush", behind_the_operator)
+    try:
+        with running_worker(dsn, concurrency=4, heartbeat_interval=0.3) as w:
+            wait_for(lambda: holding, 10, what="the completer to come to the held row")
+            assert holding == [held]
+            wait_for(lambda: all(state(dsn, j) == "running" for j in later) and not w._in_flight, 10,
+                     what="the others to wait behind it")  # fmt: skip
+            time.sleep(8)  # past their leases' 6 s
+            # extended all along: the beats did not wait for the operator either (nor for the completer's
+            # own statement, which holds the rows it came to)
+            live = "SELECT count(*) AS n FROM job_queue WHERE id = ANY(%s) AND locked_until > now()"
+            assert conn.execute(live, (later,)).fetchone() == {"n": 3}
+            operator.rollback()  # the operator is done
+            wait_for(lambda: all(state(dsn, j) == "succeeded" for j in ids) and not w.completer.pending(), 20,
+                     what="all settled")  # fmt: skip
+    finally:
+        operator.close()
+    rows = [job(dsn, j) for j in ids]
+    assert [(r["attempts"], r["lease_expirations"]) for r in rows] == [(1, 0)] * 4, [r["errors"] for r in rows]
+    assert metric(dsn, "started", "t.ok") == 4 and metric(dsn, "succeeded", "t.ok") == 4
+
+
+def test_a_worker_whose_completer_cannot_settle_stops_claiming(
+    dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the jobs waiting for the completer are out of the in-flight set: while it could not settle (a row
+    # lock it waits on) and claims went through, the worker claimed and ran on, and they grew without limit
+    from worker_core.completer import Completer
+
+    enqueue_many(conn, [("t.ok", {"i": i}) for i in range(40)])
+    operator = db.connect(dsn)
+    flush = Completer._flush
+    holding: list[uuid.UUID] = []
+
+    def behind_the_operator(self: Completer, batch: list[Any]) -> None:
+        if not holding:
+            holding.append(batch[0].job["id"])
+            operator.execute("SELECT 1 FROM job_queue WHERE id = %s FOR UPDATE", (holding[0],))
+        flush(self, batch)
+
+    monkeypatch.setattr(Completer, "_flush", behind_the_operator)
+    try:
+        with running_worker(dsn, concurrency=2, prefetch=0, group_max=1) as w:
+            assert w.max_in_flight == 8
+            wait_for(lambda: w.completer.pending() >= 8, 10, what="the completer to fill up")
+            time.sleep(1)
+            # a claim's worth past the bound at most (the one that filled it)
+            assert w.completer.pending() <= 2 * w.max_in_flight and not w._in_flight
+            operator.rollback()
+            wait_for(lambda: conn.execute("SELECT count(*) AS n FROM job_queue WHERE state = 'succeeded'").fetchone()
+                     == {"n": 40}, 20, what="all settled")  # fmt: skip
+    finally:
+        operator.close()
+
+
 def test_housekeeping_analyzes_a_queue_table_after_a_burst(conn: db.Conn) -> None:
     enqueue_many(conn, [("t.ok", {}) for _ in range(3000)])
     assert analyze_if_stale(conn) is True

@@ -294,28 +294,41 @@ SELECT EXISTS (
 -- Running and settling. Every state change from running is fenced: the row must still be running,
 -- held by this worker, at this attempt. Zero rows means a rescuer took it: not an error, roll back.
 --
--- Lock order: a statement that changes many jobs at once while others may (a heartbeat, a batch or
--- group settlement, a kill, a requeue, giving surplus back, ending a dead worker's leases) first locks
+-- Lock order: a statement that changes many jobs at once while others may (a batch or group
+-- settlement, a kill, a requeue, giving surplus back, ending a dead worker's leases) first locks
 -- its rows in id order, in a MATERIALIZED "... ORDER BY id FOR NO KEY UPDATE" (the lock its UPDATE takes
 -- anyway; requeue_jobs' FOR UPDATE, as it was), then updates them found by id. An UPDATE locks in the order
 -- its plan reads: a few ids through the primary key (id order), more through a bitmap scan (the heap's
 -- order), so a group settlement and its worker's heartbeat, or a kill and a heartbeat, deadlocked; a
--- group's loss ran its handlers again. Claims and prunes skip locked rows and never wait on them.
+-- group's loss ran its handlers again. Claims, prunes and the heartbeat skip locked rows and never wait
+-- on them.
 ------------------------------------------------------------------------------------------------------
 
 -- name: heartbeat_jobs
--- Rows locked in id order first (see "Lock order" above). Through the primary key, not the running
--- index (see settle_succeeded_many).
-WITH held AS MATERIALIZED (
+-- The leases of this worker's jobs: those running and those waiting for the completer to settle them. A
+-- row another transaction has locked is not waited for (so the beat never takes part in a deadlock, and
+-- needs no lock order, see "Lock order" above): an operator's open transaction on one row held up the whole
+-- beat (every other lease, the worker's own row) until the statement timeout, and the completer's
+-- settlement, waiting behind such a lock, holds the rows of its batch it came to. Such a row, still this
+-- worker's in the statement's snapshot, comes back with extended false: neither extended nor lost this beat
+-- (while it is locked no claim can take it either). Through the primary key, not the running index (see
+-- settle_succeeded_many).
+WITH ours AS MATERIALIZED (
     SELECT id FROM job_queue
     WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE AND locked_by = %(worker)s
-    ORDER BY id FOR NO KEY UPDATE
+    FOR NO KEY UPDATE SKIP LOCKED
+), extended AS (
+    UPDATE job_queue j SET
+        locked_until = %(now)s + make_interval(secs => j.visibility_timeout_seconds),
+        updated_at = %(now)s
+    WHERE j.id = ANY(ARRAY(SELECT id FROM ours))
+    RETURNING j.id, j.attempts, j.cancel_requested
 )
-UPDATE job_queue SET
-    locked_until = %(now)s + make_interval(secs => visibility_timeout_seconds),
-    updated_at = %(now)s
-WHERE id = ANY(ARRAY(SELECT id FROM held))
-RETURNING id, attempts, cancel_requested;
+SELECT id, attempts, cancel_requested, true AS extended FROM extended
+UNION ALL
+SELECT id, attempts, cancel_requested, false FROM job_queue
+WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE AND locked_by = %(worker)s
+  AND id NOT IN (SELECT id FROM ours);
 
 -- name: record_processed_key
 INSERT INTO processed_keys (idempotency_key, job_id, job_type, processed_at, expires_at)
