@@ -145,7 +145,7 @@ def test_group_settlement_and_heartbeat_do_not_deadlock(dsn: str, victim: str) -
             beat = Stmt(dsn, queries["heartbeat_jobs"], _heartbeat_params(in_flight))
             first, second = (settle, beat) if victim == "heartbeat" else (beat, settle)
             first.start()
-            wait_for(lambda: _waiting(admin, first.pid), what="the first statement to wait on the held row")
+            _parked(admin, first.pid, first)  # the heartbeat waits on no row now: it skips it
             second.start()
             _parked(admin, second.pid, second)  # on the first one
             time.sleep(0.1)
@@ -208,7 +208,7 @@ def test_operator_kill_of_many_and_heartbeat_do_not_deadlock(dsn: str, victim: s
 
             if held == d:
                 beat.start()
-                wait_for(lambda: _waiting(admin, beat.pid), what="the heartbeat to wait on D")
+                _parked(admin, beat.pid, beat)  # the heartbeat waits on no row now: it skips D
                 killer.start()
                 _parked(admin, kill_pid, killer)  # on A
             else:
@@ -224,3 +224,52 @@ def test_operator_kill_of_many_and_heartbeat_do_not_deadlock(dsn: str, victim: s
 
     errors = {"heartbeat": beat.error, "kill": kill_error[0] if kill_error else None}
     assert not any(isinstance(x, psycopg.errors.DeadlockDetected) for x in errors.values()), errors
+
+
+def test_operator_kill_of_many_and_a_group_settlement_do_not_deadlock(dsn: str) -> None:
+    """A group of 3 settles (ids A < D < B: Index Scan, id order) while an operator kills a dozen jobs, those 3
+    among them (a Bitmap Heap Scan, heap order B, E, A, D, ...). With D held a moment by a third transaction,
+    the settlement holds A and waits for D; the kill took B and E and waits for A; D freed, the settlement
+    waits for B: a cycle, and PostgreSQL aborted one (the group ran its handlers again, or the action
+    failed). Both now lock in id order: the kill waits at A holding nothing the settlement needs."""
+    a, d, b = _ids(3)
+    e = uuid.uuid4()
+    others = [uuid.uuid4() for _ in range(8)]
+    with db.connect(dsn, autocommit=True) as admin:
+        _running(admin, [b, e, a, d, *others])
+        _fill(admin)
+        admin.execute("ANALYZE job_queue")
+        group = [a, d, b]
+        doomed = [b, e, a, d, *others]
+        now = dt.datetime.now(dt.timezone.utc)
+        settle_plan = _plan(admin, queries["settle_succeeded_many"], _settle_params(group))
+        assert "Index Scan using job_queue_pkey" in settle_plan
+        assert "Bitmap Heap Scan" in _plan(admin, queries["kill_jobs"], {"ids": doomed, "now": now, "message": "m"})
+
+        kill_error: list[BaseException] = []
+        kill_pids: list[int] = []
+
+        def kill() -> None:
+            try:
+                with db.connect(dsn) as c:
+                    kill_pids.append(c.info.backend_pid)
+                    ops.kill(c, doomed, reason="stop this type")
+            except BaseException as x:
+                kill_error.append(x)
+
+        with db.connect(dsn) as third:
+            third.execute("SELECT 1 FROM job_queue WHERE id = %s FOR NO KEY UPDATE", (d,))
+            settle = Stmt(dsn, queries["settle_succeeded_many"], _settle_params(group))
+            settle.start()
+            wait_for(lambda: _waiting(admin, settle.pid), what="the settlement to wait on D")
+            killer = threading.Thread(target=kill, daemon=True)
+            killer.start()
+            _parked(admin, lambda: kill_pids[0] if kill_pids else None, killer)  # on A
+            time.sleep(0.1)
+            third.commit()
+        settle.join(30)
+        killer.join(30)
+
+    errors = {"settlement": settle.error, "kill": kill_error[0] if kill_error else None}
+    assert not any(isinstance(x, psycopg.errors.DeadlockDetected) for x in errors.values()), errors
+    assert settle.error is None and len(settle.rows) == 3  # settled before the kill came to them
