@@ -214,6 +214,7 @@ def test_operator_kill_of_many_and_heartbeat_do_not_deadlock(dsn: str, victim: s
             else:
                 killer.start()
                 pid = wait_for(kill_pid, what="the kill's statement")
+                assert pid is not None
                 wait_for(lambda: _waiting(admin, pid), what="the kill to wait on E")
                 beat.start()
                 _parked(admin, beat.pid, beat)  # on B
