@@ -7,6 +7,7 @@ import collections
 import contextlib
 import threading
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -32,6 +33,9 @@ class Completer:
 
     FLUSH_SECONDS = 0.005
     MAX_BATCH = 500
+    #: how soon a job whose row another transaction held locked is tried again (doubling, up to BUSY_MAX)
+    BUSY_RETRY_SECONDS = 0.05
+    BUSY_MAX_SECONDS = 1.0
 
     def __init__(self, worker: Worker) -> None:
         self.w = worker
@@ -46,6 +50,9 @@ class Completer:
         #: the batch being settled, out of _pending meanwhile
         self._flushing: list[Execution] = []
         self.flushed = 0
+        #: its last settlement failed (it is backing off): the worker then claims nothing more once as many
+        #: jobs wait here as it may hold in flight (Worker._completer_full)
+        self.failing = False
 
     def add(self, ex: Execution) -> None:
         first = not self._pending
@@ -80,6 +87,7 @@ class Completer:
 
     def run(self) -> None:
         backoff = 0.05
+        busy_wait = self.BUSY_RETRY_SECONDS
         # at once, like the worker's other own connections: where connections are scarce, the slots are
         # what waits for one, not the settlement of every job
         with contextlib.suppress(psycopg.Error):
@@ -95,10 +103,24 @@ class Completer:
                     batch = [self._pending.popleft() for _ in range(min(self.MAX_BATCH, len(self._pending)))]
                     self._flushing = batch
                     try:
-                        self._flush(batch)
+                        busy = self._flush(batch)
                         self._flushing = []
                         backoff = 0.05
+                        if self.failing:
+                            self.failing = False
+                            self.w.completer_recovered()
+                        if busy:
+                            # rows another transaction holds locked: tried again with the next batch, soon
+                            self._pending.extendleft(reversed(busy))
+                            if self._stop.is_set() and time.monotonic() > self._give_up_at:
+                                self.w.log.warning("completer: %s jobs not settled: they run again", len(self._pending))
+                                return
+                            time.sleep(busy_wait)
+                            busy_wait = min(busy_wait * 2, self.BUSY_MAX_SECONDS)
+                        else:
+                            busy_wait = self.BUSY_RETRY_SECONDS
                     except Exception as e:  # the thread must live on: the batch is tried again
+                        self.failing = True
                         if isinstance(e, psycopg.Error):
                             self._conn = None
                             self.w.log.warning("completer: %s; retrying", db.redact(str(e).strip(), self.w.dsn))
@@ -118,18 +140,33 @@ class Completer:
                 self._conn.close()
             self._exited.set()
 
-    def _flush(self, batch: list[Execution]) -> None:
+    def _flush(self, batch: list[Execution]) -> list[Execution]:
+        """Settle ``batch``; returns the jobs to try again: those whose row another transaction held locked
+        (an operator's, a kill in progress). It waits on no row lock: waiting, it held the rows of its batch
+        it had come to, which the heartbeat (that skips locked rows) then could not extend, up to its
+        statement timeout: their leases ran out while their worker lived, and another worker ran them."""
         conn = self._connect()
+        params = settle_many_params(self.w, batch)
         with conn.transaction():
-            rows = conn.execute(queries["settle_succeeded_many"], settle_many_params(self.w, batch)).fetchall()
+            rows = conn.execute(queries["settle_succeeded_available"], params).fetchall()
+            settled = {r["id"] for r in rows}
+            busy_ids: set[uuid.UUID] = set()
+            if len(settled) < len(batch):
+                # skipped, or no longer this worker's at this attempt (killed, taken over): still ours means
+                # skipped (its row locked by another transaction)
+                missing = [ex for ex in batch if ex.job["id"] not in settled]
+                found = conn.execute(queries["settle_still_ours"], settle_many_params(self.w, missing))
+                busy_ids = {r["id"] for r in found}
         self.flushed += len(rows)
-        settled = {r["id"] for r in rows}
         counts: dict[tuple[str, str], int] = {}
         refused = []
+        busy = []
         for ex in batch:
             job = ex.job
             if job["id"] in settled:
                 counts[(job["queue"], job["job_type"])] = counts.get((job["queue"], job["job_type"]), 0) + 1
+            elif job["id"] in busy_ids:
+                busy.append(ex)
             else:
                 refused.append(ex)
         for (queue, job_type), n in counts.items():
@@ -144,3 +181,4 @@ class Completer:
                         ex.ctx.logger.exception("could not settle the killed job")
             finally:
                 slot.close()
+        return busy

@@ -717,14 +717,24 @@ class Worker:
         # killed since the claim: kept, the heartbeat sees the kill and it is settled cancelled, never run
         return kept + [r for r in surplus if r["id"] not in released]
 
+    def _completer_full(self) -> bool:
+        """The completer cannot settle (a row lock it waits on, the database away) and holds as many jobs as
+        the worker may have in flight: while claims went through, the jobs it waited to settle (and the
+        heartbeat extends) grew with every claim, without limit. Not while it settles: in a drain of no-op
+        jobs it holds hundreds between two flushes, and a claimer parked on them idled the slots."""
+        return self.completer.failing and self.completer.pending() >= self.max_in_flight
+
+    def completer_recovered(self) -> None:
+        """The completer settles again: a claimer parked on it (_completer_full) goes on at once."""
+        with self._slot_free:
+            self._slot_free.notify_all()
+
     def _may_claim(self) -> bool:
         """Not while a job runs alone, nor while draining for one, nor while the completer has as many jobs
         to settle as the worker may hold in flight; else when a slot is free."""
         if self._solo_in_flight:
             return False
-        if self.completer.pending() >= self.max_in_flight:
-            # it cannot settle (a row lock it waits on, the database away) while claims go through: the jobs
-            # it waits to settle (and the heartbeat extends) grew with every claim, without limit
+        if self._completer_full():
             return False
         if self._want_solo and self._in_flight and time.monotonic() < self._solo_drain_until:
             return False
@@ -919,8 +929,14 @@ class Worker:
                 self._stopping.wait(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, 10.0)
 
+    #: a beat that skipped a job's row (locked by another transaction: an operator's, a kill's) beats again
+    #: this soon, not a whole interval later: each beat then queues for the lock a moment (_beat_locked), so
+    #: that when it goes this worker extends the lease before any worker's claim can take an expired one
+    REBEAT_SECONDS = 0.05
+
     def _heartbeat_main(self) -> None:
-        while not self._halted.wait(self.config.heartbeat_interval):
+        interval = self.config.heartbeat_interval
+        while not self._halted.wait(min(self.REBEAT_SECONDS, interval) if self._skipped else interval):
             self._heartbeat_once()
 
     def _heartbeat_once(self) -> None:
@@ -933,6 +949,8 @@ class Worker:
             self.log.exception("heartbeat error")
 
     _hb_conn: db.Conn | None = None
+    #: the last beat skipped a locked row of one of this worker's jobs (see REBEAT_SECONDS)
+    _skipped = False
 
     def _extend_lock(self, conn: db.Conn, ex: Execution) -> bool:
         """A running job's lock_key lease, extended with its job lease. Lost (it ran out and another job
@@ -963,6 +981,7 @@ class Worker:
         # while it could not (a row locked by an operator's open transaction, the database away), and they
         # were run again. Its fenced settlement finds what became of them: nothing to cancel here
         settling = self.completer.waiting()
+        self._skipped = False
         if in_flight or settling:
             ids = [ex.job["id"] for ex in in_flight] + [ex.job["id"] for ex in settling]
             with conn.transaction():
@@ -970,12 +989,9 @@ class Worker:
                     queries["heartbeat_jobs"], {"now": now, "worker": self.id, "ids": array_literal(ids)}
                 ).fetchall()
             held = {r["id"]: r for r in rows}
-            for ex in in_flight:
-                r = held.get(ex.job["id"])
-                if r is None or r["attempts"] != ex.job["attempts"]:
-                    ex.ctx.cancel("lease_lost")
-                elif r["cancel_requested"]:
-                    ex.ctx.cancel("killed")
+            skipped = [r["id"] for r in rows if not r["extended"]]
+            self._skipped = bool(skipped)
+            self._seen_in_beat(in_flight, held)
         with conn.transaction():
             if final:
                 conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})
@@ -1007,7 +1023,37 @@ class Worker:
             self._refresh_claim_filters(conn)
         if not final:
             self._look_for_solo_work(conn)
+        if self._skipped and not final:
+            self._beat_locked(conn, skipped, in_flight)
 
+    def _seen_in_beat(self, in_flight: list[Execution], held: dict[Any, dict[str, Any]]) -> None:
+        """What a beat found of the running jobs: a lease lost, or a kill."""
+        for ex in in_flight:
+            r = held.get(ex.job["id"])
+            if r is None or r["attempts"] != ex.job["attempts"]:
+                ex.ctx.cancel("lease_lost")
+            elif r["cancel_requested"]:
+                ex.ctx.cancel("killed")
+
+    #: how long a beat queues for the row of a job of this worker's that another transaction holds locked
+    LOCKED_WAIT_MS = 500
+
+    def _beat_locked(self, conn: db.Conn, ids: list[Any], in_flight: list[Execution]) -> None:
+        """The leases a beat skipped (rows another transaction holds locked: an operator's, a kill's): a
+        short wait in the lock's queue, in id order (see queries.sql, "Lock order"), last in the beat. A row
+        locked for longer than its lease has an expired lease when the lock goes, and any worker's claim may
+        take it then: queued, this worker is the one the lock goes to, and the lease is extended first.
+        Again at once (REBEAT_SECONDS) while rows stay locked."""
+        try:
+            with conn.transaction():
+                conn.execute(f"SET LOCAL lock_timeout = {int(self.LOCKED_WAIT_MS)}")
+                rows = conn.execute(
+                    queries["heartbeat_locked"], {"now": self.clock.now(), "worker": self.id, "ids": array_literal(ids)}
+                ).fetchall()
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
+            return  # still locked: the next beat, soon, queues again
+        waited = {r["id"]: r for r in rows}
+        self._seen_in_beat([ex for ex in in_flight if ex.job["id"] in set(ids)], waited)
     def _host_now(self) -> dt.datetime:
         return self.clock.host_now() if isinstance(self.clock, ServerAlignedClock) else self.clock.now()
 

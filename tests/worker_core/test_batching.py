@@ -39,6 +39,7 @@ from worker_core.execution import (
 )
 from worker_core.maintenance import analyze_if_stale
 from worker_core.producer import enqueue, enqueue_many
+from worker_core.sql import queries
 from worker_core.worker import Worker
 
 
@@ -90,82 +91,103 @@ def test_a_batched_success_is_counted_only_once_its_settlement_went_through(dsn:
     assert metric(dsn, "succeeded", "t.ok") == 1
 
 
-def test_jobs_waiting_in_the_completer_keep_their_leases_while_it_cannot_settle_them(
+def test_the_rows_a_blocked_completer_batch_holds_keep_their_leases(
     dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # an operator's open transaction holds the row of one job the completer settles: its statement waits (up
-    # to the statement timeout), and the jobs behind it, out of the in-flight set, had their leases extended
-    # by no heartbeat: they ran out, and the jobs were run again while their first run still waited to be
-    # settled
+    # the jobs waiting for the completer had their leases extended by no beat: with its settlement waiting on
+    # the row an operator held, they ran out and the jobs ran again. Then, with beats that skip locked rows,
+    # the rows its own waiting statement held were skipped, and once it failed an idle worker's claim took
+    # them ("lease expired: worker ... died or froze"); and the operator's row itself, its lease run out
+    # under the lock, went to whichever claim came first when the operator let go
     from worker_core.completer import Completer
 
     lease = {"timeout_seconds": 0.5, "visibility_timeout_seconds": 6}
-    held = enqueue(conn, "t.ok", {}, **lease).id
-    later = [enqueue(conn, "t.ok", {"i": i}, delay_seconds=1, **lease).id for i in range(3)]  # behind it
-    ids = [held, *later]
+    ids = [enqueue(conn, "t.ok", {"i": i}, **lease).id for i in range(4)]
     operator = db.connect(dsn)
     flush = Completer._flush
     holding: list[uuid.UUID] = []
 
-    def behind_the_operator(self: Completer, batch: list[Any]) -> None:
+    def behind_the_operator(self: Completer, batch: list[Any]) -> list[Any]:
         if not holding:
-            holding.extend(ex.job["id"] for ex in batch)
-            operator.execute("SELECT 1 FROM job_queue WHERE id = %s FOR UPDATE", (held,))
-        flush(self, batch)
+            wait_for(lambda: len(batch) + len(self._pending) >= 4, 10, what="all four done")
+            while self._pending:
+                batch.append(self._pending.popleft())  # the same list as self._flushing
+            holding.append(max(ex.job["id"] for ex in batch))  # the last row its ordered lock comes to
+            operator.execute("SELECT 1 FROM job_queue WHERE id = %s FOR UPDATE", (holding[0],))
+        return flush(self, batch)
 
     monkeypatch.setattr(Completer, "_flush", behind_the_operator)
+    other = Worker(config(dsn, burst=False))  # another worker of the fleet, idle: its claim_solo, polled
+    reclaimed: list[dict[str, Any]] = []
     try:
         with running_worker(dsn, concurrency=4, heartbeat_interval=0.3) as w:
             wait_for(lambda: holding, 10, what="the completer to come to the held row")
-            assert holding == [held]
-            wait_for(lambda: all(state(dsn, j) == "running" for j in later) and not w._in_flight, 10,
-                     what="the others to wait behind it")  # fmt: skip
-            time.sleep(8)  # past their leases' 6 s
-            # extended all along: the beats did not wait for the operator either (nor for the completer's
-            # own statement, which holds the rows it came to)
-            live = "SELECT count(*) AS n FROM job_queue WHERE id = ANY(%s) AND locked_until > now()"
-            assert conn.execute(live, (later,)).fetchone() == {"n": 3}
-            operator.rollback()  # the operator is done
+            start = time.monotonic()  # past their 6 s leases, the operator lets go, and the poll goes on
+            with db.connect(dsn, autocommit=True) as c:
+                while time.monotonic() - start < 11:
+                    if time.monotonic() - start > 9 and not operator.closed:
+                        operator.rollback()
+                        operator.close()  # its row's lease ran out under its lock: who takes it?
+                    reclaimed += c.execute(queries["claim_solo"], other._claim_params(1)).fetchall()
+                    time.sleep(0.005)
             wait_for(lambda: all(state(dsn, j) == "succeeded" for j in ids) and not w.completer.pending(), 20,
                      what="all settled")  # fmt: skip
     finally:
         operator.close()
     rows = [job(dsn, j) for j in ids]
-    assert [(r["attempts"], r["lease_expirations"]) for r in rows] == [(1, 0)] * 4, [r["errors"] for r in rows]
+    assert reclaimed == [] and [r["lease_expirations"] for r in rows] == [0] * 4, [r["last_error"] for r in rows]
+    assert [r["attempts"] for r in rows] == [1] * 4
     assert metric(dsn, "started", "t.ok") == 4 and metric(dsn, "succeeded", "t.ok") == 4
+
+
+def test_a_drain_never_parks_the_claimer_on_a_completer_that_settles(
+    dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the claimer stopped whenever max_in_flight jobs waited for the completer: in a plain drain of no-op
+    # jobs it holds hundreds between two flushes, and the claimer, parked on that, left the slots idle
+    for _ in range(4):
+        enqueue_many(conn, [("t.ok", {}) for _ in range(2500)])
+    parked: list[int] = []
+    full = Worker._completer_full
+
+    def watched(self: Worker) -> bool:
+        if answer := full(self):
+            parked.append(self.completer.pending())
+        return answer
+
+    monkeypatch.setattr(Worker, "_completer_full", watched)
+    run_burst(dsn, timeout=120, concurrency=4)
+    assert parked == [], f"the claimer was parked on the completer {len(parked)} times (max {max(parked)})"
 
 
 def test_a_worker_whose_completer_cannot_settle_stops_claiming(
     dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the jobs waiting for the completer are out of the in-flight set: while it could not settle (a row
-    # lock it waits on) and claims went through, the worker claimed and ran on, and they grew without limit
+    # the jobs waiting for the completer are out of the in-flight set: while it could not settle (the
+    # database refusing its statement) and claims went through, the worker claimed and ran on, and they grew
+    # without limit
     from worker_core.completer import Completer
 
     enqueue_many(conn, [("t.ok", {"i": i}) for i in range(40)])
-    operator = db.connect(dsn)
     flush = Completer._flush
-    holding: list[uuid.UUID] = []
+    refusing = threading.Event()
+    refusing.set()
 
-    def behind_the_operator(self: Completer, batch: list[Any]) -> None:
-        if not holding:
-            holding.append(batch[0].job["id"])
-            operator.execute("SELECT 1 FROM job_queue WHERE id = %s FOR UPDATE", (holding[0],))
-        flush(self, batch)
+    def refused(self: Completer, batch: list[Any]) -> list[Any]:
+        if refusing.is_set():
+            raise psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+        return flush(self, batch)
 
-    monkeypatch.setattr(Completer, "_flush", behind_the_operator)
-    try:
-        with running_worker(dsn, concurrency=2, prefetch=0, group_max=1) as w:
-            assert w.max_in_flight == 8
-            wait_for(lambda: w.completer.pending() >= 8, 10, what="the completer to fill up")
-            time.sleep(1)
-            # a claim's worth past the bound at most (the one that filled it)
-            assert w.completer.pending() <= 2 * w.max_in_flight and not w._in_flight
-            operator.rollback()
-            wait_for(lambda: conn.execute("SELECT count(*) AS n FROM job_queue WHERE state = 'succeeded'").fetchone()
-                     == {"n": 40}, 20, what="all settled")  # fmt: skip
-    finally:
-        operator.close()
+    monkeypatch.setattr(Completer, "_flush", refused)
+    with running_worker(dsn, concurrency=2, prefetch=0, group_max=1) as w:
+        assert w.max_in_flight == 8
+        wait_for(lambda: w.completer.pending() >= 8, 10, what="the completer to fill up")
+        time.sleep(1)
+        # a claim's worth past the bound at most (the one that filled it)
+        assert w.completer.pending() <= 2 * w.max_in_flight and not w._in_flight
+        refusing.clear()  # it settles again: the claimer goes on
+        wait_for(lambda: conn.execute("SELECT count(*) AS n FROM job_queue WHERE state = 'succeeded'").fetchone()
+                 == {"n": 40}, 20, what="all settled")  # fmt: skip
 
 
 def test_housekeeping_analyzes_a_queue_table_after_a_burst(conn: db.Conn) -> None:

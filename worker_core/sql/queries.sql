@@ -330,6 +330,20 @@ SELECT id, attempts, cancel_requested, false FROM job_queue
 WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE AND locked_by = %(worker)s
   AND id NOT IN (SELECT id FROM ours);
 
+-- name: heartbeat_locked
+-- The leases heartbeat_jobs skipped (their rows locked by another transaction), waited for this time, under
+-- the beat's short lock_timeout (Worker._beat_locked), in id order (see "Lock order" above).
+WITH ours AS MATERIALIZED (
+    SELECT id FROM job_queue
+    WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE AND locked_by = %(worker)s
+    ORDER BY id FOR NO KEY UPDATE
+)
+UPDATE job_queue j SET
+    locked_until = %(now)s + make_interval(secs => j.visibility_timeout_seconds),
+    updated_at = %(now)s
+WHERE j.id = ANY(ARRAY(SELECT id FROM ours))
+RETURNING j.id, j.attempts, j.cancel_requested;
+
 -- name: record_processed_key
 INSERT INTO processed_keys (idempotency_key, job_id, job_type, processed_at, expires_at)
 VALUES (%(key)s, %(job_id)s, %(job_type)s, %(now)s, %(now)s + make_interval(secs => %(retention_seconds)s))
@@ -415,6 +429,30 @@ UPDATE job_queue j SET
     state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, suspect = false
 WHERE j.id = ANY(ARRAY(SELECT id FROM held))
 RETURNING j.id;
+
+-- name: settle_succeeded_available
+-- settle_succeeded_many for the completer (Completer._flush), waiting on no row lock: a row another
+-- transaction holds (an operator's open transaction, a kill on its way) is skipped and tried again with the
+-- next batch (settle_still_ours tells it from a job no longer this worker's). Waiting, the completer held
+-- the rows of its batch it had come to, which the heartbeat (that skips locked rows) could not extend.
+WITH held AS MATERIALIZED (
+    SELECT j.id FROM job_queue j
+    WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
+      AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[]) AND NOT j.cancel_requested
+    FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE job_queue j SET
+    state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, suspect = false
+WHERE j.id = ANY(ARRAY(SELECT id FROM held))
+RETURNING j.id;
+
+-- name: settle_still_ours
+-- Of the jobs settle_succeeded_available did not settle, those still running under this worker at the same
+-- attempt, not killed: their rows were locked by another transaction (in its snapshot: a kill that has not
+-- committed yet shows here, and is found killed next time).
+SELECT j.id FROM job_queue j
+WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
+  AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[]) AND NOT j.cancel_requested;
 
 -- name: settle_error
 -- A job an operator killed while it ran, which failed before the worker saw the kill, ends cancelled (its
