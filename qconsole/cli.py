@@ -112,7 +112,8 @@ def connect(
         fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
     # a server that stopped answering while TCP still acknowledges (hung, stopped, a proxy in front of a
     # dead one) is noticed by neither keepalives nor its own statement timeout: the command gives up after
-    # twice its statement timeout and 10 s more, whatever it was doing (db.Deadline)
+    # twice its statement timeout and 10 s more in all (its statements together), whatever it was doing
+    # (db.Deadline)
     deadline = db.Deadline(conn, 2 * timeout_s + 10) if timeout_s else None
     _ROOT["deadline"] = deadline
     try:
@@ -141,8 +142,8 @@ def _database_error(e: psycopg.OperationalError) -> NoReturn:
     deadline = _ROOT.get("deadline")
     if deadline is not None and deadline.expired:
         fail(
-            f"the database did not answer within {deadline.seconds:g} s (a hung or overloaded server?); nothing"
-            " is known of what this command's last statement did: check before running it again",
+            f"the command ran past {deadline.seconds:g} s in all, waiting on the database (a hung or overloaded"
+            " server?); nothing is known of what its last statement did: check before running it again",
             3,
         )
     if isinstance(e, psycopg.errors.QueryCanceled):
