@@ -17,6 +17,7 @@ from textual import on, work
 from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.reactive import reactive
+from textual.widgets import Input, TextArea
 
 from qconsole.backend import ConsoleBackend, DatabaseBackend
 from qconsole.commands import ConsoleCommands
@@ -70,6 +71,10 @@ class QConsoleApp(App[int]):
         Binding("w", "show('workers')", "Workers", tooltip="Workers; start and stop embedded ones", id="workers"),
         Binding("a", "show('audit')", "Audit", tooltip="Who did what, when", id="audit"),
         Binding("t", "show('contracts')", "Types", tooltip="Each job type's contract and limits", id="contracts"),
+        # typed text goes to the jobs' search box, never to commands: on a job's detail `/12aba48e` ran its
+        # letters as keys (a: the audit log; c, d: screens; an r, then a y, a requeue). A priority binding, so
+        # the box has the focus before the keys typed after it are handed to a widget (see check_action)
+        Binding("slash", "search_jobs", "Search jobs", key_display="/", show=False, priority=True, id="search"),
         Binding("question_mark", "help", "Help", key_display="?", tooltip="Every key", id="help"),
         Binding("q", "quit", "Quit", tooltip="Quit (stops embedded workers)", id="quit"),
         Binding("ctrl+p", "command_palette", "Palette", id="palette"),
@@ -217,9 +222,46 @@ class QConsoleApp(App[int]):
 
     # ---------------------------------------------------------------- navigation
 
-    def action_show(self, mode: str) -> None:
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "search_jobs":
+            # a "/" typed into a text box is text (a search for "a/b", a task module's path), and over a
+            # question or a form (modal) it is no key of the console's
+            return not self.screen.is_modal and not isinstance(self.focused, (Input, TextArea))
+        return True
+
+    async def action_show(self, mode: str) -> None:
+        """A screen's key lands on that screen's list: a job's detail open over it (or left open there
+        earlier) is closed on the way. Only switching modes brought that old detail back minutes later, and on
+        the detail itself `j` did nothing."""
+        await self._to_list(mode)
+
+    async def _to_list(self, mode: str) -> None:
         if self.current_mode != mode:
-            self.switch_mode(mode)
+            await self.switch_mode(mode)
+        # a question (modal) is left where it is: it waits for its answer
+        while len(self.screen_stack) > 1 and not self.screen.is_modal:
+            await self.pop_screen()
+
+    async def action_search_jobs(self) -> None:
+        """``/`` anywhere: the jobs list with its search box focused, so what is typed next is searched."""
+        await self._to_list("jobs")
+        screen = self.screen
+        if not isinstance(screen, JobsScreen):
+            return
+        box = screen.query_one("#f-search", Input)
+        # now, not through Widget.focus (a callback queued behind the keys typed meanwhile: they went to the
+        # table and ran as commands)
+        screen.set_focus(box)
+
+        def keep_typing_there() -> None:
+            # a list shown for the first time focuses its table from on_mount by such a callback, run once the
+            # keys typed so far went to the box: the box gets it back, its text not selected (the next key
+            # replaced it), unless the search was submitted meanwhile (enter: the table is where it goes)
+            submitted = (box.value.strip() or None) == screen.filter.search
+            if screen.is_current and screen.focused is not box and not submitted:
+                screen.set_focus(box, from_app_focus=True)
+
+        self.call_later(keep_typing_there)
 
     def action_reload(self) -> None:
         screen = self.screen
@@ -248,9 +290,7 @@ class QConsoleApp(App[int]):
     async def _open_job_list(self) -> None:
         """To the jobs mode's list itself: a job detail left open on top of it would come back instead, the
         filter waiting unused until Esc. Popping down to the list applies it (JobsScreen.on_screen_resume)."""
-        await self.switch_mode("jobs")
-        while len(self.screen_stack) > 1:
-            await self.pop_screen()
+        await self._to_list("jobs")
 
     def request_pause(self, queue: str, pause: bool) -> None:
         """Pause or resume a queue (with confirmation), from the command palette."""

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from textual import events
 from textual.app import App
 from textual.pilot import Pilot
 
@@ -38,6 +39,18 @@ async def opened(pilot: Pilot[Any], key: str, kind: type[S]) -> S:
     screen = pilot.app.screen
     assert isinstance(screen, kind), f"{key!r} opened {type(screen).__name__}, not {kind.__name__}"
     return screen
+
+
+async def type_fast(pilot: Pilot[Any], text: str) -> None:
+    """``text`` as a paste, or a fast typist over SSH, sends it: every key queued before the first is handled."""
+    app = pilot.app
+    assert app._driver is not None
+    for ch in text:
+        key = {"/": "slash", " ": "space"}.get(ch, ch)
+        event = events.Key(key, ch)
+        event.set_sender(app)
+        app._driver.send_message(event)
+    await settle(pilot)
 
 
 def title_of(app: App[Any]) -> str:

@@ -36,7 +36,7 @@ from qconsole.screens.overview import OverviewScreen
 from qconsole.screens.start_worker import StartWorkerScreen
 from qconsole.screens.workers import WorkersScreen
 from qconsole.widgets.chrome import OutageBanner
-from tests.qconsole.pilot import opened, run_as_the_console, run_async, settle, title_of, until
+from tests.qconsole.pilot import opened, run_as_the_console, run_async, settle, title_of, type_fast, until
 from worker_core import RetryPolicy, db, ops, stats
 from worker_core.errors import ReadOnlyError
 from worker_core.models import JobState
@@ -1165,6 +1165,108 @@ def test_drilling_into_jobs_shows_the_list_even_where_a_job_detail_was_left_open
             assert app.screen.filter.job_type == "t.crash"
 
     run_async(scenario())
+
+
+def test_a_screens_key_lands_on_its_list_closing_a_job_detail_on_the_way(dsn: str, conn: db.Conn) -> None:
+    # `j` brought back the job detail left open minutes earlier, not the list; on the detail, `j` did nothing
+    from qconsole.screens.jobs import JobsScreen
+
+    conn.execute(DEAD_GROUP)
+
+    async def scenario() -> None:
+        app = console(dsn)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await opened(pilot, "j", JobsScreen)
+            await opened(pilot, "enter", JobDetailScreen)
+            await opened(pilot, "o", OverviewScreen)
+            await opened(pilot, "j", JobsScreen)  # the list, not that old detail
+            assert len(app.screen_stack) == 1
+            await opened(pilot, "enter", JobDetailScreen)
+            await opened(pilot, "j", JobsScreen)  # on the detail itself
+            dead = await opened(pilot, "d", DeadLettersScreen)
+            assert dead.current() is not None
+            await opened(pilot, "e", JobDetailScreen)  # a group's sample job
+            await opened(pilot, "j", JobsScreen)
+            await opened(pilot, "d", DeadLettersScreen)  # its detail closed on the way
+            await opened(pilot, "e", JobDetailScreen)
+            await opened(pilot, "d", DeadLettersScreen)
+            assert len(app.screen_stack) == 1
+
+    run_async(scenario())
+
+
+def test_slash_on_a_job_detail_types_into_the_jobs_search_never_into_commands(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
+    # the detail had no `/`: typing `/12aba48e` ran its letters as keys, and `a` opened the audit log (an `r`
+    # then a `y` in the text would have requeued the job)
+    from textual.widgets import Input
+
+    from qconsole.screens.jobs import JobsScreen
+    from qconsole.widgets.table import LiveTable
+
+    wanted = uuid.UUID("12aba48e-0000-4000-8000-00000000d00d")
+    conn.execute("UPDATE job_queue SET id = %s WHERE id = %s", (wanted, make_job("t.ok", {})))
+    other = make_job("t.ok", {})
+
+    async def scenario() -> None:
+        app = console(dsn)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            # first from the overview, the jobs list never shown yet (its on_mount focuses its table)
+            await type_fast(pilot, "/12aba")
+            assert isinstance(app.screen, JobsScreen), app.screen
+            box = app.screen.query_one("#f-search", Input)
+            assert box.value == "12aba" and app.screen.focused is box
+            await pilot.press("4", "c", "d")  # typed on at a human pace: still the box's
+            assert isinstance(app.screen, JobsScreen) and box.value == "12aba4cd"
+            await pilot.press("escape")
+            # then from a job's detail
+            jobs = app.screen
+            await opened(pilot, "enter", JobDetailScreen)
+            await type_fast(pilot, "/12aba48e")
+            assert app.screen is jobs and app.screen.focused is box, app.screen
+            assert box.value == "12aba48e"
+            await pilot.press("enter")
+            await settle(pilot)
+            assert jobs.filter.search == "12aba48e"
+            assert [j.id for j in jobs.jobs] == [wanted] and jobs.query_one(LiveTable).row_count == 1
+            # and on the list itself, its table focused (a paste of `/12aba` there opened the audit log too)
+            assert jobs.focused is jobs.query_one(LiveTable)
+            await type_fast(pilot, "/12aba4")
+            assert app.screen is jobs and box.value == "12aba4"
+            assert app.acting == () and "requeue" not in notes(app).lower()
+
+    run_async(scenario())
+    assert stats.audit_log(conn) == [] and other
+
+
+def test_requeue_and_kill_on_a_job_detail_still_ask_first(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    # a stray `r` or `K` (typed text landing on the detail) must never act without its `y`
+    from qconsole.screens.jobs import JobsScreen
+
+    job = make_job("t.ok", {})
+
+    async def scenario() -> None:
+        app = console(dsn)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await opened(pilot, "j", JobsScreen)
+            detail = await opened(pilot, "enter", JobDetailScreen)
+            question = await opened(pilot, "K", ConfirmScreen)
+            assert "Kill job" in question.question
+            await opened(pilot, "n", JobDetailScreen)
+            conn.execute("UPDATE job_queue SET state = 'dead_lettered', finished_at = now() WHERE id = %s", (job,))
+            detail.reload()
+            await settle(pilot)
+            question = await opened(pilot, "r", ConfirmScreen)
+            assert "Requeue job" in question.question
+            await opened(pilot, "escape", JobDetailScreen)
+            assert app.acting == ()
+
+    run_async(scenario())
+    assert stats.get_job(conn, job).state == JobState.DEAD_LETTERED and stats.audit_log(conn) == []
 
 
 CONSOLE_PROCESS = """
