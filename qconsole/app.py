@@ -292,13 +292,31 @@ class QConsoleApp(App[int]):
         filter waiting unused until Esc. Popping down to the list applies it (JobsScreen.on_screen_resume)."""
         await self._to_list("jobs")
 
+    def queues_paused(self) -> dict[str, bool]:
+        """Whether each queue is paused, as the overview last read it (empty before its first read)."""
+        try:
+            stack = self.get_screen_stack("overview")
+        except KeyError:
+            return {}
+        screen = stack[0] if stack else None
+        if isinstance(screen, OverviewScreen) and screen.data is not None:
+            return {q.name: q.paused for q in screen.data.overview.queues}
+        return {}
+
     def request_pause(self, queue: str, pause: bool) -> None:
         """Pause or resume a queue (with confirmation), from the command palette."""
 
         def ask() -> None:
             screen = self.screen
-            if isinstance(screen, OverviewScreen):
-                screen.request_pause(queue, pause)
+            if not isinstance(screen, OverviewScreen):
+                return
+            # the palette offered it on what the overview had read; a queue found in that state already is
+            # said so, not asked about (a confirmed resume of a running queue audited a no-op)
+            if self.queues_paused().get(queue) is pause:
+                said = "is paused already: nothing to pause" if pause else "is not paused: nothing to resume"
+                self.notify(f"Queue '{queue}' {said}.", severity="warning", markup=False)
+                return
+            screen.request_pause(queue, pause)
 
         if self.current_mode != "overview":
             self.switch_mode("overview")

@@ -38,9 +38,15 @@ class ConsoleCommands(Provider):
             if isinstance(b, Binding) and b.description:
                 key = b.key_display or b.key
                 out.append((f"{b.description}", f"key {key}", partial(app.call_later, app.run_action, b.action)))
+        # pause for a queue that runs, resume for a paused one (both were offered: a confirmed resume of a queue
+        # that was not paused audited a no-op); neither for a queue the overview has not read yet
+        paused = app.queues_paused()
         for queue in app.known_queues:
-            out.append((f"Pause queue {queue}", "asks for confirmation", partial(app.request_pause, queue, True)))
-            out.append((f"Resume queue {queue}", "asks for confirmation", partial(app.request_pause, queue, False)))
+            is_paused = paused.get(queue)
+            if is_paused is not None:
+                verb = "Resume" if is_paused else "Pause"
+                ask = partial(app.request_pause, queue, not is_paused)
+                out.append((f"{verb} queue {queue}", "asks for confirmation", ask))
             out.append((f"Jobs in queue {queue}", "jobs screen, filtered", partial(app.open_jobs, queue=queue)))
         for job_type in app.known_types:
             out.append((f"Jobs of type {job_type}", "jobs screen, filtered", partial(app.open_jobs, job_type=job_type)))

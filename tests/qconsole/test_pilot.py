@@ -722,6 +722,46 @@ def test_pause_and_resume_a_queue(dsn: str, conn: db.Conn, make_job: Any) -> Non
     assert [e.action for e in stats.audit_log(conn)] == ["resume", "pause"]
 
 
+def test_the_palette_offers_resume_only_for_a_paused_queue_and_pause_only_for_a_running_one(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
+    # ctrl+p offered "Resume queue default" for a queue that was not paused, and confirming it audited a no-op
+    from textual.command import CommandPalette
+
+    from qconsole.commands import ConsoleCommands
+
+    make_job("t.ok", {})
+    make_job("t.ok", {}, queue="mail")
+    ops.pause(conn, "mail", actor=ops.Actor("tester"), reason="relay down")
+
+    async def scenario() -> None:
+        app = console(dsn)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            offered = [text for text, _, _ in ConsoleCommands(app.screen).commands()]
+            assert "Pause queue default" in offered and "Resume queue mail" in offered
+            assert "Resume queue default" not in offered and "Pause queue mail" not in offered
+            await pilot.press("ctrl+p")
+            await settle(pilot)
+            assert isinstance(app.screen, CommandPalette)
+            await pilot.press(*"Resume queue mail", "enter")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the resume's question")
+            assert isinstance(app.screen, ConfirmScreen) and "Resume queue 'mail'" in app.screen.question
+            await pilot.press("y")
+            await settle(pilot)
+            app.screen.reload()  # type: ignore[attr-defined]
+            await settle(pilot)
+            offered = [text for text, _, _ in ConsoleCommands(app.screen).commands()]
+            assert "Pause queue mail" in offered and "Resume queue mail" not in offered
+            # asked on what the overview read, found in that state already: said, never asked nor audited
+            app.request_pause("mail", False)
+            await settle(pilot)
+            assert not isinstance(app.screen, ConfirmScreen) and "is not paused: nothing to resume" in notes(app)
+
+    run_async(scenario())
+    assert [(e.action, e.queue) for e in stats.audit_log(conn)] == [("resume", "mail"), ("pause", "mail")]
+
+
 def test_read_only_refuses_every_action(dsn: str, conn: db.Conn, make_job: Any) -> None:
     dead = [make_job("t.unknown", {"key": "k"})]
     make_job("t.ok", {}, queue="mail")
