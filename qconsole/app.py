@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-from collections.abc import Sequence
+import re
+import signal
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +118,8 @@ class QConsoleApp(App[int]):
         self.known_queues: list[str] = []
         self.known_types: list[str] = []
         self.pending_job_filter: dict[str, Any] | None = None
+        #: per embedded worker: when its last crash was said, and its crashes left unsaid since
+        self._crash_notices: dict[int, tuple[float | None, int]] = {}
         self._requested_theme = theme or DEFAULT_THEME
 
     # ---------------------------------------------------------------- lifecycle
@@ -324,30 +329,95 @@ class QConsoleApp(App[int]):
 
     # ---------------------------------------------------------------- embedded workers
 
+    #: a worker that keeps crashing is said once in this many seconds (the workers screen shows every crash):
+    #: in the demo a notice of 8 rows came every 20 s
+    CRASH_NOTICE_SECONDS = 30.0
+
     def _embedded_exited(self, w: EmbeddedWorker, restarting: bool) -> None:
         """Runs on the launcher's reader thread: hand over to the UI without waiting."""
         crashed = (w.exit_code or 0) != 0 and not w.stopping
-        last = next((ln for ln in reversed(w.output) if ln and not ln.startswith("[")), "")
-        self.post_message(EmbeddedWorkerExited(w.number, w.pid or 0, w.exit_code or 0, crashed, last, restarting))
+        code = w.exit_code or 0
+        own = own_error(w.output, code) if crashed else ""
+        again = restart_delay(w.streak) if restarting else None
+        self.post_message(EmbeddedWorkerExited(w.number, w.pid or 0, code, crashed, own, restarting, again))
 
     @on(EmbeddedWorkerExited)
     def _show_embedded_exit(self, m: EmbeddedWorkerExited) -> None:
-        if m.crashed:
-            again = " Restarting it." if m.restarting else ""
-            # short: a crash loop must not bury the screen; the output is one key away (w)
-            last = f" {fmt.clip(m.last_line, 100)}." if m.last_line else ""
-            self.notify(
-                f"Embedded worker #{m.number} (pid {m.pid}) exited with {m.exit_code}.{last}{again} Output: w",
-                title="worker crashed",
-                severity="error",
-                timeout=6,
-                markup=False,
-            )
-        else:
-            self.notify(f"Embedded worker #{m.number} (pid {m.pid}) stopped.", markup=False)
         screen = self.screen
         if isinstance(screen, WorkersScreen):
             screen.reload()
+        if not m.crashed:
+            self.notify(f"Embedded worker #{m.number} (pid {m.pid}) stopped.", markup=False)
+            return
+        now = time.monotonic()
+        last, unsaid = self._crash_notices.get(m.number, (None, 0))
+        if last is not None and now - last < self.CRASH_NOTICE_SECONDS:
+            self._crash_notices[m.number] = (last, unsaid + 1)
+            return
+        self._crash_notices[m.number] = (now, 0)
+        how = exit_description(m.exit_code)
+        if unsaid and last is not None:
+            what = f"crashed {unsaid + 1} times in {fmt.duration(now - last)} (last: {how})"
+        else:
+            what = f"crashed ({how})"
+        if m.restarting:
+            then = f"; restarting in {m.restart_in:g}s" if m.restart_in is not None else "; restarting"
+        else:
+            then = "; not restarted"
+        # short: one notice of a few rows, not 8 (its output is one key away); the last line it printed only when
+        # that is what it said of itself as it ended, not a job's log line it happened to write last
+        text = f"Embedded worker #{m.number} {what}{then} — w: its output"
+        if m.own_error:
+            text += f"\n{fmt.clip(m.own_error, 72)}"
+        self.notify(text, severity="error", timeout=8, markup=False)
+
+
+#: a traceback's last line: the exception's (qualified) name, and its message if any
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:: .*)?$")
+
+
+def own_error(output: Iterable[str], exit_code: int) -> str:
+    """What a worker that exited by itself (``exit_code`` > 0) said of itself as it ended, among its last
+    run's ``output``: its refusal (``error: ...``) or an uncaught exception's traceback's last line; else "".
+    A process killed by a signal said nothing of why, and a log line it wrote last (a job's retry) is none."""
+    if exit_code <= 0:
+        return ""
+    lines: list[str] = []
+    for line in reversed(list(output)):
+        if line.startswith("$ "):  # the command that started this run: what comes before is another run's
+            break
+        if line.strip() and not line.startswith("["):  # the console's own notes: [exited with code 1]
+            lines.append(line)
+    if not lines:
+        return ""
+    last = lines[0].strip()
+    if last.startswith("error: "):
+        return last
+    if not _EXCEPTION_LINE.match(last):
+        return ""
+    for line in lines[1:]:
+        if line.startswith("Traceback (most recent call last):"):
+            return last
+        if not line.startswith(" "):  # a traceback's frames are indented: this is something else
+            return ""
+    return ""
+
+
+def exit_description(code: int) -> str:
+    """``exit 13``; ``exit -9, killed by SIGKILL``."""
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"exit {code}, killed by {name}"
+
+
+def restart_delay(streak: int) -> float:
+    """The launcher's backoff before it starts a crashed worker again (EmbeddedWorkers._read): 1s, 2s, 4s...
+    up to 30s, with its crashes in a row."""
+    return min(30.0, 2.0 ** min(max(streak, 1) - 1, 5))
 
 
 def make_app(

@@ -94,7 +94,12 @@ class EmbeddedWorkerExited(Message):
 
     number: int
     pid: int
+    #: negative: killed by that signal
     exit_code: int
     crashed: bool
-    last_line: str
+    #: what the worker said of itself as it ended (a traceback's last line, its refusal), else ""; never a line
+    #: it merely logged last (a job's retry), which read as the reason
+    own_error: str
     restarting: bool
+    #: in how many seconds it is started again, when restarting
+    restart_in: float | None = None

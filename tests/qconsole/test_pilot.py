@@ -1009,7 +1009,7 @@ def test_start_and_stop_an_embedded_worker_that_crashes_and_restarts(
             first_pid = w.pid
             crash = make_job("t.crash", {})
             await until(pilot, lambda: w.crashes >= 1, what="the crash")
-            await until(pilot, lambda: "exited with 13" in notes(app), what="the crash notice")
+            await until(pilot, lambda: "#1 crashed (exit 13)" in notes(app), what="the crash notice")
             # the dead process's lease on the job ended with it, and its row says stopped, not lost
             await until(pilot, lambda: any("ended the leases of 1 jobs" in line for line in w.output), what="leases")
             [dead] = [x for x in stats.workers(conn) if x.pid == first_pid]
@@ -1035,6 +1035,72 @@ def test_start_and_stop_an_embedded_worker_that_crashes_and_restarts(
     run_async(scenario())
     launcher.stop_all(timeout=5)
     assert all(not e.running for e in launcher.workers())
+
+
+#: a worker that crashes as soon as it started: killed by SIGKILL (``--tasks kill``), or by an uncaught exception
+#: with a long message (``--tasks raise``); both log a job's retry first, as a busy worker does
+CRASHING_WORKER = """
+import os, signal, sys
+os.write(int(sys.argv[sys.argv.index("--status-fd") + 1]), b"started\\n")
+print("23:21:00 WARNING worker_core.worker retry_scheduled (transient error): pdf renderer busy", flush=True)
+if sys.argv[sys.argv.index("--tasks") + 1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+raise RuntimeError("cannot open /var/lib/app/state.db: permission denied " + "x" * 200)
+"""
+
+
+def test_a_crashing_embedded_worker_is_said_in_a_short_notice_at_most_once_in_a_while(dsn: str, tmp_path: Path) -> None:
+    # 8 rows of the screen every 20 s, ending "Restarting it. Output: w" (read as cut off), and after a kill -9 an
+    # unrelated log line shown as if it were the reason ("exited with -9. 23:21:00 WARNING retry_scheduled ...")
+    from textual.widgets._toast import Toast
+
+    launcher = EmbeddedWorkers(dsn, command=[sys.executable, "-c", CRASHING_WORKER], log_dir=tmp_path)
+    app = console(dsn, launcher=launcher)
+    said: list[str] = []
+    real_notify = app.notify
+
+    def notify(message: str, **kwargs: Any) -> None:
+        said.append(message)
+        real_notify(message, **kwargs)
+
+    app.notify = notify  # type: ignore[method-assign]
+
+    def crash_notices(number: int) -> list[str]:
+        return [m for m in said if m.startswith(f"Embedded worker #{number} crashed")]
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE, notifications=True) as pilot:
+            await settle(pilot)
+            killed = launcher.start(["kill"])
+            await until(pilot, lambda: bool(crash_notices(1)), what="the crash notice")
+            await pilot.pause(0.2)
+            assert crash_notices(1) == [
+                "Embedded worker #1 crashed (exit -9, killed by SIGKILL); restarting in 1s — w: its output"
+            ]
+            toasts = list(app.screen.query(Toast))
+            assert len(toasts) == 1 and toasts[0].outer_size.height <= 5, [t.outer_size for t in toasts]
+            # it crashes again at once (restarted after 1s, then 2s): said once in CRASH_NOTICE_SECONDS
+            await until(pilot, lambda: killed.crashes >= 3, what="two more crashes")
+            await pilot.pause(0.3)
+            assert len(crash_notices(1)) == 1
+            app.CRASH_NOTICE_SECONDS = 0.0  # past the window: the next notice counts the crashes unsaid
+            await until(pilot, lambda: len(crash_notices(1)) == 2, what="the next notice")
+            assert crash_notices(1)[1].startswith("Embedded worker #1 crashed 3 times in ")
+            assert "(last: exit -9, killed by SIGKILL); restarting in 8s" in crash_notices(1)[1]
+            launcher.stop(killed.number)
+            # what a worker said of itself as it ended, cut to fit
+            launcher.start(["raise"])
+            await until(pilot, lambda: bool(crash_notices(2)), what="the second worker's crash notice")
+            first, reason = crash_notices(2)[0].split("\n")
+            assert first == "Embedded worker #2 crashed (exit 1); restarting in 1s — w: its output"
+            assert reason.startswith("RuntimeError: cannot open /var/lib/app/state.db: permission denied xxx")
+            assert len(reason) == 72 and reason.endswith("…")
+            assert not any("pdf renderer" in m for m in said)
+
+    try:
+        run_async(scenario())
+    finally:
+        launcher.stop_all(timeout=5)
 
 
 def test_job_types_screen_shows_what_the_workers_registered(dsn: str) -> None:
