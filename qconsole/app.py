@@ -179,12 +179,23 @@ class QConsoleApp(App[int]):
         if message.action in left:
             left.remove(message.action)
         self.acting = tuple(left)
+        # "Requeue under way…" stayed up beside "Requeued 20 job(s). (audit #2)"
+        self._dismiss_notice(f"{message.action.capitalize()} under way…")
         if message.outcome is None:
             return
         self.say_outcome(message.outcome)
         screen = message.origin
         if isinstance(screen, ConsoleScreen) and screen.is_attached:  # not closed meanwhile
             screen.acted(message.outcome)
+
+    def _dismiss_notice(self, text: str) -> None:
+        """Take back the oldest notification that says ``text``, if it is still shown. Textual has no public
+        way to take back one (``notify`` returns nothing, ``clear_notifications`` takes them all): this goes
+        through what a toast does when clicked (``_unnotify``)."""
+        for notification in list(self._notifications):
+            if notification.message == text:
+                self._unnotify(notification)
+                return
 
     def say_outcome(self, outcome: ActionDone | ActionFailed | ActionUnsure) -> None:
         """An action's outcome, on whatever screen is shown now."""

@@ -149,6 +149,33 @@ def test_a_group_action_that_takes_long_is_said_to_run_and_the_screens_read_on_m
     assert states(conn, [r["id"] for r in conn.execute("SELECT id FROM job_queue")]) == [JobState.QUEUED] * 3
 
 
+def test_an_actions_in_progress_notice_goes_when_its_outcome_is_said(dsn: str, conn: db.Conn) -> None:
+    # "Requeue under way…" stayed up next to "Requeued 3 job(s). (audit #1)", as if another one were running
+    conn.execute(DEAD_GROUP)
+    conn.commit()
+    app = console(dsn)
+    locker = db.connect(dsn)  # holds the group's rows: the requeue waits for them as long as the test says
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("d", "r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the requeue's question")
+            locker.execute("SELECT id FROM job_queue FOR UPDATE").fetchall()
+            await pilot.press("y")
+            await until(pilot, lambda: app.acting == ("requeue",), what="the requeue running")
+            assert "Requeue under way…" in notes(app)
+            app.notify("Requeue under way…")  # another's, still running: only one goes
+            locker.rollback()
+            await until(pilot, lambda: "Requeued 3 job(s)" in notes(app), what="the requeue's outcome")
+            assert notes(app).count("Requeue under way…") == 1
+
+    try:
+        run_async(scenario())
+    finally:
+        locker.close()
+
+
 def console_sessions(conn: db.Conn) -> int:
     """The console's sessions the server still has (an action's ends only once the server notices its client
     went away)."""
