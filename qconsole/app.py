@@ -120,6 +120,8 @@ class QConsoleApp(App[int]):
         self.pending_job_filter: dict[str, Any] | None = None
         #: per embedded worker: when its last crash was said, and its crashes left unsaid since
         self._crash_notices: dict[int, tuple[float | None, int]] = {}
+        #: q was pressed, and the embedded workers are being stopped
+        self._quitting = False
         self._requested_theme = theme or DEFAULT_THEME
 
     # ---------------------------------------------------------------- lifecycle
@@ -152,7 +154,26 @@ class QConsoleApp(App[int]):
         if not running:
             self.exit(0)
             return
-        self.notify(f"Stopping {len(running)} embedded worker(s)…", timeout=30)
+        n = len(running)
+        workers = f"{n} embedded worker{'s' if n != 1 else ''}"
+        if self._quitting:
+            # q again: not another stop of up to 15 s, nor a wait for this one: kill them now
+            self.notify(f"Killing {workers} now: their jobs' leases end, other workers take them.", markup=False)
+            self._kill_workers()
+            return
+        self._quitting = True
+        # said at once, where it is seen: the UI stayed live for seconds after q, saying nothing (or under a pile of
+        # other notices)
+        self.clear_notifications()
+        self.note_acting("quitting")
+        limit = getattr(self.launcher, "stop_timeout", None)
+        within = f" (up to {fmt.duration(limit)})" if isinstance(limit, (int, float)) else ""
+        self.notify(
+            f"Stopping {workers}: their running jobs finish or are released{within}. q again: kill them now.",
+            title="quitting",
+            timeout=60,
+            markup=False,
+        )
         self._stop_workers_and_exit()
 
     @work(thread=True, exit_on_error=False, group="console-shutdown")
@@ -160,6 +181,12 @@ class QConsoleApp(App[int]):
         if self.launcher is not None:
             self.launcher.stop_all()
         self.call_from_thread(self.exit, 0)
+
+    @work(thread=True, exit_on_error=False, group="console-shutdown")
+    def _kill_workers(self) -> None:
+        # the stop under way (_stop_workers_and_exit) sees them gone, and exits
+        if self.launcher is not None:
+            self.launcher.stop_all(timeout=0)
 
     # ---------------------------------------------------------------- shared state
 

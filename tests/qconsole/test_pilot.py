@@ -6,6 +6,7 @@ new current loop behind so that later ``snap_compare`` calls still find one (Tex
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import io
 import json
@@ -1128,6 +1129,56 @@ def test_a_crashing_embedded_worker_is_said_in_a_short_notice_at_most_once_in_a_
         run_async(scenario())
     finally:
         launcher.stop_all(timeout=5)
+
+
+#: a worker whose job does not stop: it ignores the console's stop
+STUBBORN_WORKER = """
+import os, signal, sys, time
+os.write(int(sys.argv[sys.argv.index("--status-fd") + 1]), b"started\\n")
+signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_quitting_says_at_once_that_it_stops_the_embedded_workers_and_q_again_kills_them(
+    dsn: str, tmp_path: Path
+) -> None:
+    # after q the UI stayed live for seconds (up to 15) with nothing said of what it waited for, and a second q
+    # only started another wait
+    launcher = EmbeddedWorkers(dsn, command=[sys.executable, "-c", STUBBORN_WORKER], log_dir=tmp_path)
+    app = console(dsn, launcher=launcher)
+    took: list[float] = []
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            w = launcher.start(["stubborn"])
+            await until(pilot, lambda: "ready" in w.output, what="the worker up")
+            await pilot.press("q")
+            await pilot.pause(0.2)
+            assert notes(app) == (
+                "Stopping 1 embedded worker: their running jobs finish or are released (up to 15s)."
+                " q again: kill them now."
+            )
+            assert "⟳ quitting…" in title_of(app) and w.running
+            await pilot.pause(1.0)
+            assert w.running  # it waits for it
+            pressed = time.monotonic()
+            await pilot.press("q")
+            while w.proc is not None and w.proc.poll() is None and time.monotonic() - pressed < 20:
+                await asyncio.sleep(0.05)
+            took.append(time.monotonic() - pressed)
+            while app.return_code is None and time.monotonic() - pressed < 20:
+                await asyncio.sleep(0.05)
+
+    try:
+        exited = run_as_the_console(scenario(), within=40)
+    finally:
+        launcher.stop_all(timeout=5)
+    assert exited and app.return_code == 0
+    assert took and took[0] < 5, f"q again took {took[0]:.1f}s to end the worker"
+    assert any("killed" in line for line in launcher.workers()[0].output)
 
 
 def test_job_types_screen_shows_what_the_workers_registered(dsn: str) -> None:
