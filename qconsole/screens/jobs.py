@@ -21,6 +21,8 @@ from qconsole.widgets.table import LiveTable, cell, opening_table
 from worker_core.models import Job, JobState
 
 LIMIT = 200
+#: a search that finds nothing under the filters is asked again without them: this many are counted
+ELSEWHERE_LIMIT = 100
 COLUMNS = [
     ("id", "id", None),
     ("state", "state", None),
@@ -38,6 +40,11 @@ class JobFilter:
     job_type: str | None = None
     queue: str | None = None
     search: str | None = None
+
+    @property
+    def narrowed(self) -> bool:
+        """A state, type or queue is set: a search under it may hide what it would find."""
+        return bool(self.state or self.job_type or self.queue)
 
     def describe(self) -> str:
         parts = [
@@ -57,6 +64,7 @@ class JobsScreen(ConsoleScreen):
         Binding("slash", "search", "Search", key_display="/"),
         Binding("enter", "open", "Open job", show=False),  # for the help screen: the table's is shown
         Binding("escape", "leave_filters", "Table", show=False),
+        Binding("x", "clear_filters", "Clear filters", tooltip="Clear the state, type and queue filters"),
     ]
 
     def __init__(self, **kwargs: Any) -> None:
@@ -150,6 +158,10 @@ class JobsScreen(ConsoleScreen):
     def action_leave_filters(self) -> None:
         self.query_one(LiveTable).focus()
 
+    def action_clear_filters(self) -> None:
+        """Drop the state, type and queue filters; the search stays."""
+        self.set_filter(search=self.filter.search)
+
     def set_filter(self, **kwargs: Any) -> None:
         self.filter = JobFilter(**kwargs)
         self._sync_widgets()
@@ -167,12 +179,20 @@ class JobsScreen(ConsoleScreen):
 
     # ---------------------------------------------------------------- reading
 
-    def fetch(self, backend: ConsoleBackend) -> tuple[JobFilter, list[Job]]:
+    def fetch(self, backend: ConsoleBackend) -> tuple[JobFilter, list[Job], list[Job] | None]:
         f = self.filter
-        return f, backend.list_jobs(state=f.state, job_type=f.job_type, queue=f.queue, search=f.search, limit=LIMIT)
+        jobs = backend.list_jobs(state=f.state, job_type=f.job_type, queue=f.queue, search=f.search, limit=LIMIT)
+        elsewhere = None
+        if not jobs and f.search and f.narrowed:
+            # the filters were combined with the search silently: a running job's id pasted under state
+            # "dead" said "0 job(s)", as if there were no such job. The search alone tells what they hide
+            elsewhere = backend.list_jobs(
+                state=None, job_type=None, queue=None, search=f.search, limit=ELSEWHERE_LIMIT
+            )
+        return f, jobs, elsewhere
 
-    def show(self, data: tuple[JobFilter, list[Job]]) -> None:
-        f, jobs = data
+    def show(self, data: tuple[JobFilter, list[Job], list[Job] | None]) -> None:
+        f, jobs, elsewhere = data
         self.jobs = jobs
         now = self.qapp.clock.now()
         wide = self.size.width >= 100
@@ -196,12 +216,35 @@ class JobsScreen(ConsoleScreen):
         status = Text(no_wrap=True, overflow="ellipsis")
         more = f" (first {LIMIT})" if len(jobs) >= LIMIT else ""
         status.append(f" {len(jobs)} job(s){more}", style="bold")
+        if elsewhere is not None:
+            status.append(" │ ")
+            status.append_text(self._elsewhere(f, elsewhere))
         status.append(f" │ {f.describe()} │ enter opens, / searches")
         self.query_one("#jobs-status", Static).update(status)
         # new job types or queues may have appeared
         self.qapp.known_types = sorted(set(self.qapp.known_types) | {j.job_type for j in jobs})
         self.qapp.known_queues = sorted(set(self.qapp.known_queues) | {j.queue for j in jobs})
         self._refresh_options()
+
+    @staticmethod
+    def _elsewhere(f: JobFilter, found: list[Job]) -> Text:
+        """What a search that found nothing under the filters finds without them, and how to get there."""
+        hint = Text()
+        if not found:
+            hint.append("no job matches, with or without the filters", style="bold")
+            return hint
+        n = f"{len(found)}+" if len(found) >= ELSEWHERE_LIMIT else str(len(found))
+        where = []
+        if f.state:
+            where.append(", ".join(dict.fromkeys(fmt.state_label(j.state.value) for j in found)))
+        if f.job_type and any(j.job_type != f.job_type for j in found):
+            where.append("other types")
+        if f.queue and any(j.queue != f.queue for j in found):
+            where.append("other queues")
+        said = f" ({'; '.join(where)})" if where else ""
+        jobs = "1 job matches" if n == "1" else f"{n} jobs match"
+        hint.append(f"{jobs} outside the filters{said}: x clears them", style="bold")
+        return hint
 
     # ---------------------------------------------------------------- opening
 

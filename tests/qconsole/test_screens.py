@@ -163,7 +163,7 @@ def test_enter_on_a_job_opens_that_job_even_if_a_refresh_moves_the_cursor_before
             assert table.cursor_key is not None
             seen["pressed_on"] = target = uuid.UUID(table.cursor_key)
             table.action_select_cursor()  # what enter does: posts RowSelected naming the row
-            screen.post_message(DataFetched((screen.filter, [j for j in screen.jobs if j.id != target])))
+            screen.post_message(DataFetched((screen.filter, [j for j in screen.jobs if j.id != target], None)))
             await settle(pilot)
             assert table.cursor_key is not None and uuid.UUID(table.cursor_key) != target  # the cursor moved
             detail = app.screen
@@ -334,5 +334,80 @@ def test_an_action_found_committed_after_its_answer_was_lost_clears_its_marks() 
             await settle(pilot)
             assert "requeue done (audit #7" in "\n".join(n.message for n in app._notifications)
             assert screen.marked == set()
+
+    run_async(scenario())
+
+
+# ------------------------------------------------------------------ jobs: a search under filters
+
+
+def test_a_search_that_finds_nothing_under_the_filters_says_what_they_hide_and_x_clears_them(
+    dsn: str, conn: Any, make_job: Any
+) -> None:
+    # a running job's id pasted with state "dead" set said "0 job(s) │ state=dead_lettered search=…", and
+    # nothing hinted that the filter hid it
+    from qconsole.backend import DatabaseBackend
+    from qconsole.screens.jobs import JobsScreen
+    from tests.qconsole.test_pilot import console
+
+    running = make_job("t.ok", {})
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, started_at = now(), locked_by = 'w-1',"
+        " locked_until = now() + interval '1 minute' WHERE id = %s",
+        (running,),
+    )
+    backend = DatabaseBackend(dsn)
+    app = console(dsn, backend=backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "j", JobsScreen)
+            status = screen.query_one("#jobs-status")
+            screen.set_filter(state="dead_lettered", search=str(running)[:8])
+            await settle(pilot)
+            shown = str(status.content)
+            assert "0 job(s)" in shown and "1 job matches outside the filters (▶ running): x clears them" in shown
+            screen.set_filter(state="dead_lettered", search="no-such-key")
+            await settle(pilot)
+            assert "no job matches, with or without the filters" in str(status.content)
+            screen.set_filter(state="dead_lettered", job_type="t.ok", search=str(running)[:8])
+            await settle(pilot)
+            await pilot.press("x")
+            await settle(pilot)
+            assert screen.filter.state is None and screen.filter.job_type is None
+            assert screen.filter.search == str(running)[:8] and [j.id for j in screen.jobs] == [running]
+            assert "1 job(s)" in str(status.content) and "outside" not in str(status.content)
+
+    run_async(scenario())
+    backend.close()
+
+
+def test_the_focused_filter_control_is_plain_to_see() -> None:
+    # the compact Select's focus only tinted its background 5% (color 234 -> 235): nobody saw where tab went
+    from textual.color import Color
+    from textual.widgets import Select
+
+    from qconsole.screens.jobs import JobsScreen
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "j", JobsScreen)
+            select = screen.query_one("#f-state", Select)
+            x, y = select.region.x + 2, select.region.y
+
+            def background() -> Color:
+                style = screen.get_style_at(x, y)
+                assert style.bgcolor is not None
+                return Color.from_rich_color(style.bgcolor)
+
+            blurred = background()
+            select.focus()
+            await settle(pilot)
+            focused = background()
+            assert abs(focused.brightness - blurred.brightness) > 0.1 or focused.hsl.s - blurred.hsl.s > 0.3
 
     run_async(scenario())
