@@ -23,7 +23,7 @@ COLUMNS = [
     ("worker", "host:pid", None),
     ("queues", "queues", None),
     ("conc", "slots", None),
-    ("busy", "busy", None),
+    ("busy", "claimed", None),
     ("beat", "heartbeat", None),
 ]
 LOG_LINES = 200
@@ -39,7 +39,11 @@ def db_state(w: WorkerInfo) -> str:
 
 class WorkersScreen(ConsoleScreen):
     TITLE_TEXT = "Workers"
-    HELP = "Workers and their heartbeats; a worker whose heartbeat stopped is LOST. s/x start/stop embedded ones."
+    HELP = (
+        "Workers and their heartbeats, running ones first; a worker whose heartbeat stopped is LOST. slots: jobs"
+        " it runs at once; claimed: jobs it holds leased, running in its slots or prefetched to start next (up"
+        " to slots + prefetch, 2 x slots by default, more for groups of fast jobs). s/x start/stop embedded ones."
+    )
 
     BINDINGS = [
         Binding("s", "start_worker", "Start embedded"),
@@ -76,6 +80,8 @@ class WorkersScreen(ConsoleScreen):
         now = self.qapp.clock.now()
         by_pid = {(w.host, w.pid): w for w in self.db_workers}
         rows: list[tuple[str, list[Text]]] = []
+        #: running workers first, then the ones that ended: a live worker sat below ten stopped rows
+        ended: list[tuple[str, list[Text]]] = []
         matched: set[str] = set()
         for e in self.embedded:
             info = by_pid.get((e.host, e.pid)) if e.pid is not None and e.running else None
@@ -87,7 +93,7 @@ class WorkersScreen(ConsoleScreen):
                     state = "◌ stopping"
             else:
                 state = "☠ crashed" if "crashed" in e.status else "■ stopped"
-            rows.append(
+            (rows if e.running or e.restart_pending else ended).append(
                 (
                     f"emb:{e.number}",
                     [
@@ -104,7 +110,7 @@ class WorkersScreen(ConsoleScreen):
         for w in self.db_workers:
             if w.id in matched:
                 continue
-            rows.append(
+            (rows if w.stopped_at is None else ended).append(
                 (
                     f"db:{w.id}",
                     [
@@ -118,7 +124,7 @@ class WorkersScreen(ConsoleScreen):
                     ],
                 )
             )
-        self.query_one(LiveTable).set_rows(rows)
+        self.query_one(LiveTable).set_rows(rows + ended)
         live = sum(1 for w in self.db_workers if w.stopped_at is None and not w.lost)
         lost = sum(1 for w in self.db_workers if w.lost)
         t = Text(no_wrap=True, overflow="ellipsis")
@@ -128,6 +134,7 @@ class WorkersScreen(ConsoleScreen):
         crashed = sum(e.crashes for e in self.embedded)
         if crashed:
             t.append(f" │ ☠ {crashed} embedded crash(es)", style="bold")
+        t.append(" │ claimed: running + prefetched jobs")
         self.query_one("#wk-summary", Static).update(t)
         self._paint_log()
 

@@ -411,3 +411,38 @@ def test_the_focused_filter_control_is_plain_to_see() -> None:
             assert abs(focused.brightness - blurred.brightness) > 0.1 or focused.hsl.s - blurred.hsl.s > 0.3
 
     run_async(scenario())
+
+
+# ------------------------------------------------------------------ workers
+
+
+def test_the_workers_screen_shows_running_workers_above_stopped_ones_and_says_what_claimed_counts(
+    dsn: str, conn: Any
+) -> None:
+    # rows went by host and pid: a live worker sat below ten "■ stopped" rows, out of sight at 80x24; and its
+    # "busy 9" next to "slots 4" said nothing of the prefetched jobs it counted
+    from qconsole.backend import DatabaseBackend
+    from tests.qconsole.test_pilot import console
+
+    for i in range(12):
+        conn.execute(
+            "INSERT INTO workers (id, host, pid, concurrency, stopped_at) VALUES (%s, 'a', %s, 4, now())", (f"a:{i}", i)
+        )
+    conn.execute("INSERT INTO workers (id, host, pid, concurrency, in_flight) VALUES ('z:7', 'z', 7, 4, 9)")
+    backend = DatabaseBackend(dsn)
+    app = console(dsn, backend=backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "w", WorkersScreen)
+            table = screen.query_one(LiveTable)
+            first = [str(c).strip() for c in table.get_row_at(0)]
+            assert first[1] == "● live" and first[2] == "z:7" and first[4:6] == ["4", "9"]
+            headers = [str(c.label).strip() for c in table.columns.values()]
+            assert "claimed" in headers and "busy" not in headers
+            assert "prefetched" in str(screen.query_one("#wk-summary").content)
+            assert "prefetch" in WorkersScreen.HELP
+
+    run_async(scenario())
+    backend.close()

@@ -621,3 +621,21 @@ def test_a_killed_running_job_gives_up_its_dedup_key_and_a_requeue_gives_it_back
     job = stats.get_job(conn, doomed)
     assert (job.state, job.dedup_key, job.released_dedup_key) == (JobState.QUEUED, "nightly:2026-11-30", None)
     assert not enqueue(conn, "t.ok", {}, dedup_key="nightly:2026-11-30").created  # it holds the key again
+
+
+# --------------------------------------------------------------------------- stats.workers
+
+
+def test_workers_list_the_running_ones_first_then_the_stopped_ones_newest_stop_first(conn: db.Conn) -> None:
+    # sorted by host and pid, a live worker on host "z" sat below ten stopped ones on host "a": at 80x24
+    # the header said "1 live" while every row in sight was "■ stopped"
+    now = dt.datetime.now(dt.timezone.utc)
+    for i in range(10):
+        conn.execute(
+            "INSERT INTO workers (id, host, pid, concurrency, last_heartbeat_at, stopped_at)"
+            " VALUES (%s, 'a', %s, 4, %s, %s)",
+            (f"a:{i}", i, now - dt.timedelta(seconds=60 - i), now - dt.timedelta(seconds=60 - i)),
+        )
+    conn.execute("INSERT INTO workers (id, host, pid, concurrency) VALUES ('z:1', 'z', 1, 4), ('y:2', 'y', 2, 4)")
+    rows = stats.workers(conn)
+    assert [w.id for w in rows] == ["y:2", "z:1", *(f"a:{i}" for i in reversed(range(10)))]

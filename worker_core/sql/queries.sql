@@ -721,10 +721,12 @@ ORDER BY minute;
 SELECT name, paused, changed_at, changed_by FROM queues ORDER BY name;
 
 -- name: workers_list
+-- The running ones first (live or lost), by host and pid; then those stopped in the last minutes, the
+-- newest stop first: by host and pid, a live worker sat below ten stopped ones, out of sight at 80x24.
 SELECT id, host, pid, queues, tasks, concurrency, in_flight, started_at, last_heartbeat_at, stopped_at
 FROM workers
 WHERE stopped_at IS NULL OR stopped_at > %(since)s
-ORDER BY host, pid, id;
+ORDER BY stopped_at IS NOT NULL, stopped_at DESC, host, pid, id;
 
 -- name: job_get
 SELECT * FROM job_queue WHERE id = %(id)s;
