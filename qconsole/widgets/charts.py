@@ -10,6 +10,30 @@ from textual_plotext import PlotextPlot
 #: distinct markers, so series stay apart without color (NO_COLOR)
 MARKERS = ("•", "x", "+", "o", "*", "#")
 MAX_SERIES = len(MARKERS)
+#: plotext draws the legend only if its longest label fits in the canvas, whole: the canvas is the plot's
+#: width less its y ticks, and the legend's marker and margins take 5 more (11 to 13 in all, measured)
+LEGEND_MARGIN = 16
+#: nor does it draw it with more labels than the canvas has rows (the plot's height less 4)
+LEGEND_ROWS_MARGIN = 4
+
+
+def short_label(name: str, width: int) -> str:
+    """``name`` in at most ``width`` characters, cut in the middle, keeping more of its end, where job types
+    differ: ``com.example.billing.payments.pay.capture`` at 19 is ``com.exa…pay.capture``.
+
+    >>> short_label("com.example.billing.payments.pay.capture", 19)
+    'com.exa…pay.capture'
+    >>> short_label("email.send", 19)
+    'email.send'
+    """
+    if len(name) <= width:
+        return name
+    width = max(width, 3)
+    tail = -(-(width - 1) * 3 // 5)  # ceil: the end gets 3/5 of what is kept
+    if name[len(name) - tail] in "._-:/" and tail > 1:  # "com.exam….pay.capture": the cut is at the dot
+        tail -= 1
+    head = width - 1 - tail
+    return name[:head] + "…" + name[len(name) - tail :]
 
 
 def top_series(series: Mapping[str, Sequence[float]], n: int = MAX_SERIES) -> list[tuple[str, Sequence[float]]]:
@@ -46,17 +70,31 @@ class _Chart(PlotextPlot):
 class SeriesChart(_Chart):
     """Per-minute lines over the last hour, one per key, x in minutes before now."""
 
+    _series: Mapping[str, Sequence[float]] = {}
+
     def draw_empty(self) -> None:
         self.set_series({})
 
+    def on_resize(self) -> None:
+        # the labels are cut to the width the chart has: drawn again at its new one
+        self.set_series(self._series)
+
     def set_series(self, series: Mapping[str, Sequence[float]]) -> None:
+        self._series = series
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
-        shown = top_series(series)
+        # plotext drops the whole legend when one label is wider than the canvas (a 72-character job type
+        # hid every series' name even at 120x40) or when there are more labels than rows: cut to fit
+        width, height = self.size
+        label_width = max(8, width - LEGEND_MARGIN) if width else 24
+        rows = max(1, height - LEGEND_ROWS_MARGIN) if height else MAX_SERIES
+        shown = top_series(series, min(MAX_SERIES, rows))
+        total = len(top_series(series, len(series)))
+        self.border_subtitle = f"top {len(shown)} of {total}" if len(shown) < total else ""
         for i, (name, values) in enumerate(shown):
             xs = list(range(-len(values) + 1, 1))
-            plt.plot(xs, list(values), label=name, marker=MARKERS[i % len(MARKERS)])
+            plt.plot(xs, list(values), label=short_label(name, label_width), marker=MARKERS[i % len(MARKERS)])
         if not shown:
             plt.plot([-59, 0], [0, 0], marker=" ")
             plt.title("no data in the last hour")

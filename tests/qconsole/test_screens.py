@@ -446,3 +446,40 @@ def test_the_workers_screen_shows_running_workers_above_stopped_ones_and_says_wh
 
     run_async(scenario())
     backend.close()
+
+
+# ------------------------------------------------------------------ charts
+
+LONG_TYPE = "com.example.platform.billing.payments.providers.stripe.webhooks.pay.capture"
+
+
+class LongTypeCharts(FakeBackend):
+    def charts(self) -> Any:
+        data = super().charts()
+        data.retries[LONG_TYPE] = [3.0] * 60
+        return data
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "120x40"])
+def test_a_long_job_type_is_cut_in_the_middle_and_every_chart_keeps_its_legend(size: tuple[int, int]) -> None:
+    # plotext drops the whole legend when one label is wider than its canvas: a 72-character job type hid
+    # the names of every series of "Retries per job type", even at 120x40
+    from qconsole.screens.charts import ChartsScreen
+    from qconsole.widgets.charts import SeriesChart
+    from tests.qconsole.test_pilot import screen_text
+
+    assert len(LONG_TYPE) > 70
+    app = fake_app(LongTypeCharts())
+
+    async def scenario() -> None:
+        async with app.run_test(size=size) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "c", ChartsScreen)
+            text = screen_text(app)
+            [legend] = [line for line in text.splitlines() if "pay.capture" in line]  # the retries chart's
+            assert "com.exa" in legend and "…" in legend and "email.send" in text
+            assert "default" in text and "mail" in text  # the lag chart's
+            for chart in screen.query(SeriesChart):
+                assert chart.size.height > 0
+
+    run_async(scenario())
