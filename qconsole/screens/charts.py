@@ -1,4 +1,4 @@
-"""``c`` Charts: retries per job type, attempts distribution, lease expirations and queue lag over time."""
+"""``c`` Charts: retries per job type, attempts distribution, lease expirations and wait to start over time."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class ChartsScreen(ConsoleScreen):
             yield BarChart("Attempts per finished job", "attempts taken (jobs finished in the last hour)",
                            id="chart-attempts")  # fmt: skip
             yield SeriesChart("Lease expirations per job type", "expirations/min", id="chart-leases")
-            yield SeriesChart("Queue lag per queue", "avg wait before start, seconds", id="chart-lag")
+            yield SeriesChart("Wait to start per queue", "avg wait before start, seconds", id="chart-lag")
 
     def fetch(self, backend: ConsoleBackend) -> ChartData:
         return backend.charts()

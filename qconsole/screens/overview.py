@@ -40,7 +40,11 @@ def row_key(t: TypeStats) -> str:
 
 class OverviewScreen(ConsoleScreen):
     TITLE_TEXT = "Overview"
-    HELP = "Per queue and job type. ▲ marks lag or DLQ rate over its threshold; ⏸ a paused queue."
+    HELP = (
+        "Per queue and job type. lag: the age of the type's oldest job due and waiting. ▲ marks lag or DLQ rate"
+        " over its threshold; ⏸ a paused queue. Sparklines: the type's jobs done per minute; the queue's average"
+        " wait to start (its last point: the oldest waiting job's age)."
+    )
 
     BINDINGS = [
         Binding("p", "toggle_pause", "Pause/resume", tooltip="Pause or resume the queue under the cursor"),
@@ -62,7 +66,9 @@ class OverviewScreen(ConsoleScreen):
                 yield Sparkline([], id="ov-spark-done", classes="spark")
                 yield Label(id="ov-spark-done-val", classes="spark-value")
             with Horizontal(classes="spark-row"):
-                yield Label("lag (s)", classes="spark-label")
+                # not "lag (s)": the table's lag is the type's oldest waiting job, this the queue's average wait
+                # before start: side by side, "lag 16s" and "lag (s) … now 50s" disagreed
+                yield Label("wait to start (s)", classes="spark-label")
                 yield Sparkline([], id="ov-spark-lag", classes="spark")
                 yield Label(id="ov-spark-lag-val", classes="spark-value")
 

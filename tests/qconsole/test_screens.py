@@ -483,3 +483,27 @@ def test_a_long_job_type_is_cut_in_the_middle_and_every_chart_keeps_its_legend(s
                 assert chart.size.height > 0
 
     run_async(scenario())
+
+
+# ------------------------------------------------------------------ overview
+
+
+def test_the_overviews_two_waits_have_different_names() -> None:
+    # the table's "lag 16s" (the type's oldest waiting job) sat above the sparkline's "lag (s) … now 50s" (the
+    # queue's average wait before start): two numbers named alike that disagreed
+    from qconsole.screens.overview import OverviewScreen
+    from tests.qconsole.test_pilot import screen_text
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            text = screen_text(app)
+            assert "lag (s)" not in text and "wait to start (s)" in text
+            headers = [str(c.label).strip() for c in screen.query_one(LiveTable).columns.values()]
+            assert "lag" in headers and "oldest" in OverviewScreen.HELP
+
+    run_async(scenario())
