@@ -49,6 +49,13 @@ def _section(title: str) -> Text:
     return _t(f"── {title} ", style="bold")
 
 
+def type_limit(limits: list[dict[str, Any]], job_type: str, queue: str) -> int | None:
+    """The concurrency limit that holds ``job_type`` in ``queue``: its queue's, else its every-queue one."""
+    found = {(r["job_type"], r["queue"]): r["max_running"] for r in limits}
+    limit = found.get((job_type, queue), found.get((job_type, "*")))
+    return None if limit is None else int(limit)
+
+
 class JobDetailScreen(ConsoleScreen):
     TITLE_TEXT = "Job"
     HELP = "One job: envelope, payload, every attempt's error, lease and lock."
@@ -74,13 +81,23 @@ class JobDetailScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self.query_one("#job-scroll").focus()
 
-    def fetch(self, backend: ConsoleBackend) -> tuple[Job, dict[str, Any] | None]:
-        return backend.get_job(self.job_id)
+    def fetch(self, backend: ConsoleBackend) -> tuple[Job, dict[str, Any] | None, int | None]:
+        job, lock = backend.get_job(self.job_id)
+        limit = None
+        if self._lease_expired(job):
+            # under a limit of 0 no worker reclaims it: "another worker may reclaim it" was wrong then
+            limit = type_limit(backend.contracts().limits, job.job_type, job.queue)
+        return job, lock, limit
 
-    def show(self, data: tuple[Job, dict[str, Any] | None]) -> None:
-        job, lock = data
+    def _lease_expired(self, job: Job) -> bool:
+        if job.state.value != "running" or job.locked_until is None:
+            return False
+        return fmt.utc(job.locked_until) < self.qapp.clock.now()  # type: ignore[operator]
+
+    def show(self, data: tuple[Job, dict[str, Any] | None, int | None]) -> None:
+        job, lock, limit = data
         self.job = job
-        self.query_one("#job-body", Static).update(self.render_job(job, lock))
+        self.query_one("#job-body", Static).update(self.render_job(job, lock, limit))
 
     #: the errors and the payload as last rendered, and the job version they are of (see _heavy_parts)
     _heavy: tuple[tuple[Any, ...], list[RenderableType]] | None = None
@@ -127,7 +144,7 @@ class JobDetailScreen(ConsoleScreen):
             error = f"job {self.job_id} not found: retention pruned it, or it never existed"
         self.query_one("#job-body", Static).update(_t(f" {error}", style="bold"))
 
-    def render_job(self, job: Job, lock: dict[str, Any] | None) -> RenderableType:
+    def render_job(self, job: Job, lock: dict[str, Any] | None, limit: int | None = None) -> RenderableType:
         now = self.qapp.clock.now()
         parts: list[RenderableType] = []
         head = Text()
@@ -145,6 +162,13 @@ class JobDetailScreen(ConsoleScreen):
             left = (fmt.utc(job.locked_until) - now).total_seconds()  # type: ignore[operator]
             if left >= 0:
                 lease = _t(f"ends in {fmt.duration(left)} ({fmt.hms(job.locked_until)} UTC), held by {job.locked_by}")
+            elif limit == 0:
+                lease = _t(
+                    f"EXPIRED {fmt.duration(-left)} ago (held by {job.locked_by}): {fmt.PAUSED} its type is held by"
+                    f" a limit of 0: no worker reclaims it until the limit is raised (qconsole limit"
+                    f" {job.job_type} --clear)",
+                    style="bold",
+                )
             else:
                 lease = _t(
                     f"EXPIRED {fmt.duration(-left)} ago (held by {job.locked_by}): another worker may reclaim it",

@@ -42,8 +42,9 @@ class OverviewScreen(ConsoleScreen):
     TITLE_TEXT = "Overview"
     HELP = (
         "Per queue and job type. lag: the age of the type's oldest job due and waiting. ▲ marks lag or DLQ rate"
-        " over its threshold; ⏸ a paused queue. Sparklines: the type's jobs done per minute; the queue's average"
-        " wait to start (its last point: the oldest waiting job's age)."
+        " over its threshold; ⏸ a paused queue; ⏸0 a type held by a limit of 0, ≤N one limited to N running."
+        " Sparklines: the type's jobs done per minute; the queue's average wait to start (its last point: the"
+        " oldest waiting job's age)."
     )
 
     BINDINGS = [
@@ -107,7 +108,12 @@ class OverviewScreen(ConsoleScreen):
                     [
                         cell(fmt.WARN if bad else fmt.OK, style=st),
                         cell(queue, style=st),
-                        cell(fmt.clip(t.job_type, 30 if wide else 16), style=st),
+                        # a limit of 0 held the type with nothing to say so: "run 4" for a minute, no worker
+                        cell(
+                            fmt.clip(t.job_type, 30 if wide else 16)
+                            + (f" {fmt.limit_mark(t.concurrency_limit)}" if t.concurrency_limit is not None else ""),
+                            style=st,
+                        ),
                         cell(fmt.count(t.queued), right=True),  # retrying ones have their own column
                         cell(fmt.count(t.running), right=True),
                         cell(fmt.count(t.retry_scheduled), right=True),
@@ -145,6 +151,9 @@ class OverviewScreen(ConsoleScreen):
         t.append(f" │ queues {len(ov.queues)}")
         if paused:
             t.append(f" ({fmt.PAUSED} {', '.join(paused)})", style="bold")
+        held = sorted({x.job_type for x in ov.types if x.concurrency_limit == 0})
+        if held:
+            t.append(f" │ {fmt.PAUSED}0 held by limit 0: {', '.join(held)}", style="bold")
         t.append(f" │ rates/min over {ov.window_minutes}m")
         t.append(f" │ {fmt.WARN} lag>{fmt.duration(th.lag_seconds)} or dlq>{th.dlq_per_min:g}/m")
         if not ov.types:
@@ -180,6 +189,10 @@ class OverviewScreen(ConsoleScreen):
         line.append(f" {t.job_type} @ {t.queue}", style="bold")
         if t.paused:
             line.append(f" {fmt.PAUSED} paused", style="bold")
+        if t.concurrency_limit == 0:
+            line.append(f" {fmt.PAUSED} held (limit 0)", style="bold")
+        elif t.concurrency_limit is not None:
+            line.append(f" ≤{t.concurrency_limit} running (limit)")
         line.append(f" │ retries {fmt.rate(t.retries_per_min)}/m │ timeouts {t.timeouts} │ anomalies {t.anomalies}")
         line.append(f" │ lock waits {t.lock_contention} │ dedup {t.dedup_hits + t.idempotency_hits}")
         if self.over_lag(t):

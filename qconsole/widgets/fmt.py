@@ -35,6 +35,18 @@ PAUSED = "⏸"
 OK = " "
 
 
+def limit_mark(limit: int | None) -> str:
+    """A job type's concurrency limit, next to its name: ``⏸0`` held (a limit of 0: no worker claims its jobs,
+    nor reclaims its expired leases), ``≤N`` at most N running fleet-wide, nothing without a limit.
+
+    >>> limit_mark(0), limit_mark(4), limit_mark(None)
+    ('⏸0', '≤4', '')
+    """
+    if limit is None:
+        return ""
+    return f"{PAUSED}0" if limit == 0 else f"≤{limit}"
+
+
 def utc(t: dt.datetime | None) -> dt.datetime | None:
     if t is None:
         return None

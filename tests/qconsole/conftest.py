@@ -138,7 +138,7 @@ class FakeBackend:
                       oldest_waiting_seconds=185, throughput_per_min=18.4, dlq_per_min=1.3,
                       lease_expirations_per_min=0.0, retries_per_min=6.1, retries=92, timeouts=3, anomalies=1,
                       latency_avg_seconds=41.5, duration_avg_seconds=0.35),
-            TypeStats("default", "invoice.generate", queued=3, running=2, throughput_per_min=9.7,
+            TypeStats("default", "invoice.generate", queued=3, running=2, throughput_per_min=9.7, concurrency_limit=2,
                       oldest_waiting_seconds=2, retries_per_min=0.2, retries=3, dedup_hits=4, idempotency_hits=2),
             TypeStats("default", "report.build", queued=1, running=2, retry_scheduled=1, failed=0,
                       oldest_waiting_seconds=12, throughput_per_min=0.8, lease_expirations_per_min=0.4,

@@ -507,3 +507,50 @@ def test_the_overviews_two_waits_have_different_names() -> None:
             assert "lag" in headers and "oldest" in OverviewScreen.HELP
 
     run_async(scenario())
+
+
+# ------------------------------------------------------------------ a type held by a limit of 0
+
+
+def test_a_type_held_by_a_limit_of_0_is_marked_and_its_expired_leases_are_not_said_to_be_reclaimed(
+    dsn: str, conn: Any, make_job: Any
+) -> None:
+    # `qconsole limit TYPE 0` showed nowhere on the overview ("run 1" with no worker), and the job's detail
+    # said "lease EXPIRED … another worker may reclaim it", which none does under a limit of 0
+    from qconsole.backend import DatabaseBackend
+    from qconsole.screens.job_detail import JobDetailScreen
+    from qconsole.screens.overview import OverviewScreen
+    from tests.qconsole.test_pilot import console, screen_text
+    from worker_core import ops
+
+    held = make_job("t.ok", {})
+    make_job("t.permanent", {})
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, started_at = now() - interval '2 minutes',"
+        " locked_by = 'w-1', locked_until = now() - interval '68 seconds' WHERE id = %s",
+        (held,),
+    )
+    ops.set_limit(conn, "t.ok", 0, actor=ops.Actor("test"))
+    ops.set_limit(conn, "t.permanent", 3, actor=ops.Actor("test"))
+    backend = DatabaseBackend(dsn)
+    app = console(dsn, backend=backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            table = screen.query_one(LiveTable)
+            assert str(table.get_row("default\x1ft.ok")[2]).strip() == "t.ok ⏸0"
+            assert str(table.get_row("default\x1ft.permanent")[2]).strip() == "t.permanent ≤3"
+            assert "⏸0 held by limit 0: t.ok" in str(screen.query_one("#ov-summary").content)
+            table.select_key("default\x1ft.ok")
+            await settle(pilot)
+            assert "⏸ held (limit 0)" in screen_text(app)
+            app.push_screen(JobDetailScreen(held))
+            await settle(pilot)
+            text = " ".join(screen_text(app).split())
+            assert "EXPIRED" in text and "held by a limit of 0" in text and "may reclaim" not in text
+
+    run_async(scenario())
+    backend.close()
