@@ -14,6 +14,7 @@ from qconsole.screens.base import ConsoleScreen
 from qconsole.widgets import fmt
 from qconsole.widgets.table import LiveTable, cell
 from worker_core.models import AuditEntry
+from worker_core.ops import TOKEN_KEY
 
 COLUMNS = [
     ("at", "when (UTC)", None),
@@ -25,14 +26,29 @@ COLUMNS = [
 LIMIT = 200
 
 
+#: what the detail column leaves out: the console's token (ops.TOKEN_KEY) is how it finds its action's entry
+#: after a lost connection, no reader's business; a limit's type and queue are its target
+HIDDEN = {TOKEN_KEY}
+LIMIT_ACTIONS = ("limit", "unlimit")
+
+
+def _is_limit(e: AuditEntry) -> bool:
+    return e.action in LIMIT_ACTIONS and bool((e.detail or {}).get("job_type"))
+
+
 def target(e: AuditEntry) -> str:
+    # a limit touches no job: its target is its type (and queue), which read "0 job(s)"
+    if _is_limit(e):
+        scope = e.detail.get("queue") or "*"
+        return f"type {e.detail['job_type']}" + ("" if scope == "*" else f" @{scope}")
     if e.queue:
         return f"queue {e.queue}"
     return f"{len(e.job_ids)} job(s)"
 
 
 def detail(e: AuditEntry) -> str:
-    parts = [f"{k}={v}" for k, v in sorted(e.detail.items()) if k != "payload"]
+    hidden = HIDDEN | ({"job_type", "queue"} if _is_limit(e) else set())
+    parts = [f"{k}={v}" for k, v in sorted(e.detail.items()) if k != "payload" and k not in hidden]
     if "payload" in e.detail:
         parts.append("payload replaced")
     if e.reason:

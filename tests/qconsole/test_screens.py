@@ -554,3 +554,44 @@ def test_a_type_held_by_a_limit_of_0_is_marked_and_its_expired_leases_are_not_sa
 
     run_async(scenario())
     backend.close()
+
+
+# ------------------------------------------------------------------ audit
+
+
+def test_the_audit_screen_names_a_limits_type_and_hides_the_consoles_token(dsn: str, conn: Any, make_job: Any) -> None:
+    # a limit's target read "0 job(s)" (it has no jobs: its type and queue are in its detail), and the
+    # console's internal console_token=… filled the detail column
+    from qconsole.backend import DatabaseBackend
+    from qconsole.screens.audit import AuditScreen
+    from tests.qconsole.test_pilot import console, screen_text
+    from worker_core import ops
+
+    job = make_job("t.ok", {})
+    conn.execute("UPDATE job_queue SET state = 'dead_lettered', finished_at = now() WHERE id = %s", (job,))
+    actor = ops.Actor("alice")
+    ops.set_limit(conn, "t.ok", 0, actor=actor)
+    ops.set_limit(conn, "t.ok", 2, queue="default", actor=actor)
+    ops.clear_limit(conn, "t.ok", actor=actor)
+    ops.requeue(conn, [job], actor=actor, token="tok-5f2c9a1e77")
+    backend = DatabaseBackend(dsn)
+    app = console(dsn, backend=backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "a", AuditScreen)
+            table = screen.query_one(LiveTable)
+            rows = [[str(c).strip() for c in table.get_row_at(i)] for i in range(table.row_count)]
+            assert [(r[2], r[3]) for r in rows] == [
+                ("requeue", "1 job(s)"), ("unlimit", "type t.ok"), ("limit", "type t.ok @default"),
+                ("limit", "type t.ok"),
+            ]  # fmt: skip
+            assert rows[3][4] == "max_running=0"
+            screen.query_one(LiveTable).move_cursor(row=0)
+            await settle(pilot)
+            assert "tok-5f2c" not in screen_text(app) and "console_token" not in screen_text(app)
+            assert screen.entries[0].detail["console_token"] == "tok-5f2c9a1e77"  # kept in the row
+
+    run_async(scenario())
+    backend.close()
