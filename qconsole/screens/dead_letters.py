@@ -103,7 +103,10 @@ class DeadLettersScreen(ConsoleScreen):
         now = self.qapp.clock.now()
         wide = self.size.width >= 100
         rows = []
-        for g in self.groups:
+        # clipped at their ends, two groups of "PermanentError: invalid VAT id <*> for DE" and "… for FR" both
+        # read "PermanentError: invalid VAT i…": those that would read alike are cut in the middle
+        errors = fmt.clip_apart([g.fingerprint for g in self.groups], 70 if wide else 30)
+        for g, error in zip(self.groups, errors, strict=True):
             key = group_key(g)
             rows.append(
                 (
@@ -115,7 +118,7 @@ class DeadLettersScreen(ConsoleScreen):
                         cell(g.count, right=True),
                         cell(fmt.ago(g.first_seen, now).replace(" ago", ""), right=True),
                         cell(fmt.ago(g.last_seen, now).replace(" ago", ""), right=True),
-                        cell(fmt.clip(g.fingerprint, 70 if wide else 30)),
+                        cell(error),
                     ],
                 )
             )

@@ -184,23 +184,7 @@ class OverviewScreen(ConsoleScreen):
             title.update(Text(" no row selected"))
             done.data, lag.data = [], []
             return
-        th = self.qapp.thresholds
-        line = Text(no_wrap=True, overflow="ellipsis")
-        line.append(f" {t.job_type} @ {t.queue}", style="bold")
-        if t.paused:
-            line.append(f" {fmt.PAUSED} paused", style="bold")
-        if t.concurrency_limit == 0:
-            line.append(f" {fmt.PAUSED} held (limit 0)", style="bold")
-        elif t.concurrency_limit is not None:
-            line.append(f" ≤{t.concurrency_limit} running (limit)")
-        line.append(f" │ retries {fmt.rate(t.retries_per_min)}/m │ timeouts {t.timeouts} │ anomalies {t.anomalies}")
-        line.append(f" │ lock waits {t.lock_contention} │ dedup {t.dedup_hits + t.idempotency_hits}")
-        if self.over_lag(t):
-            line.append(f" │ {fmt.WARN} lag over {fmt.duration(th.lag_seconds)}", style="bold")
-        if self.over_dlq(t):
-            line.append(f" │ {fmt.WARN} dlq over {th.dlq_per_min:g}/m", style="bold")
-        line.append(f" │ latency {fmt.elapsed(t.latency_avg_seconds)} │ handler {fmt.elapsed(t.duration_avg_seconds)}")
-        title.update(line)
+        title.update(self._detail_line(t, self.size.width or 80))
         throughput = self.data.overview.throughput.get((t.queue, t.job_type), [])
         lag_series = self.data.lag.get(t.queue, [])
         done.data = throughput
@@ -211,6 +195,49 @@ class OverviewScreen(ConsoleScreen):
         self.query_one("#ov-spark-lag-val", Label).update(
             f"max {fmt.duration(max(lag_series, default=0))} now {fmt.duration(lag_series[-1] if lag_series else 0)}"
         )
+
+    def _detail_line(self, t: TypeStats, width: int) -> Text:
+        """The row's type and queue, its warnings, then its figures by use, as many as fit in ``width``: cut at
+        the screen's edge, "… │ lock w…" at 80 columns, the timings and "▲ dlq over" never showed."""
+        th = self.qapp.thresholds
+        line = Text(no_wrap=True, overflow="ellipsis")
+        line.append(f" {fmt.clip(t.job_type, max(16, width // 3))} @ {fmt.clip(t.queue, 16)}", style="bold")
+        bold = "bold"
+        parts: list[tuple[str, str]] = []
+        if self.over_lag(t):
+            parts.append((f"{fmt.WARN} lag over {fmt.duration(th.lag_seconds)}", bold))
+        if self.over_dlq(t):
+            parts.append((f"{fmt.WARN} dlq over {th.dlq_per_min:g}/m", bold))
+        if t.paused:
+            parts.append((f"{fmt.PAUSED} paused", bold))
+        if t.concurrency_limit == 0:
+            parts.append((f"{fmt.PAUSED} held (limit 0)", bold))
+        elif t.concurrency_limit is not None:
+            parts.append((f"≤{t.concurrency_limit} running (limit)", ""))
+        # over the window, per job started: its wait before start (due to start) and its handler's time
+        if t.latency_avg_seconds or t.duration_avg_seconds:  # both 0: nothing started in the window
+            parts.append((f"wait to start {fmt.elapsed(t.latency_avg_seconds)}", ""))
+            parts.append((f"handler {fmt.elapsed(t.duration_avg_seconds)}", ""))
+        parts.append((f"retries {fmt.rate(t.retries_per_min)}/m", ""))
+        optional = [
+            ("timeouts", t.timeouts),
+            ("anomalies", t.anomalies),
+            ("lease exp", t.lease_expirations),
+            ("lock waits", t.lock_contention),
+            ("dedup", t.dedup_hits + t.idempotency_hits),
+        ]
+        parts.extend((f"{name} {n}", "") for name, n in optional if n)  # a zero says nothing: left out
+        room = width - line.cell_len
+        for text, style in parts:
+            if len(text) + 3 > room:
+                continue  # a later, shorter one may fit
+            line.append(" │ ")
+            line.append(text, style=style)
+            room -= len(text) + 3
+        return line
+
+    def on_resize(self) -> None:
+        self._paint_detail()
 
     # ---------------------------------------------------------------- actions
 

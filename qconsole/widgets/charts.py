@@ -7,6 +7,8 @@ from typing import Any
 
 from textual_plotext import PlotextPlot
 
+from qconsole.widgets import fmt
+
 #: distinct markers, so series stay apart without color (NO_COLOR)
 MARKERS = ("•", "x", "+", "o", "*", "#")
 MAX_SERIES = len(MARKERS)
@@ -19,21 +21,8 @@ LEGEND_ROWS_MARGIN = 4
 
 def short_label(name: str, width: int) -> str:
     """``name`` in at most ``width`` characters, cut in the middle, keeping more of its end, where job types
-    differ: ``com.example.billing.payments.pay.capture`` at 19 is ``com.exa…pay.capture``.
-
-    >>> short_label("com.example.billing.payments.pay.capture", 19)
-    'com.exa…pay.capture'
-    >>> short_label("email.send", 19)
-    'email.send'
-    """
-    if len(name) <= width:
-        return name
-    width = max(width, 3)
-    tail = -(-(width - 1) * 3 // 5)  # ceil: the end gets 3/5 of what is kept
-    if name[len(name) - tail] in "._-:/" and tail > 1:  # "com.exam….pay.capture": the cut is at the dot
-        tail -= 1
-    head = width - 1 - tail
-    return name[:head] + "…" + name[len(name) - tail :]
+    differ: ``com.example.billing.payments.pay.capture`` at 19 is ``com.exa…pay.capture``."""
+    return fmt.clip_middle(name, width)
 
 
 def top_series(series: Mapping[str, Sequence[float]], n: int = MAX_SERIES) -> list[tuple[str, Sequence[float]]]:

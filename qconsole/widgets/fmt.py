@@ -134,6 +134,41 @@ def clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(0, width - 1)] + "…"
 
 
+def clip_middle(text: str, width: int) -> str:
+    """One line in at most ``width`` characters, cut in the middle, keeping more of its end, where job types
+    and errors that begin alike differ.
+
+    >>> clip_middle("com.example.billing.payments.pay.capture", 19)
+    'com.exa…pay.capture'
+    >>> clip_middle("email.send", 19)
+    'email.send'
+    """
+    text = " ".join(printable(text).split())
+    if len(text) <= width:
+        return text
+    width = max(width, 3)
+    tail = -(-(width - 1) * 3 // 5)  # ceil: the end gets 3/5 of what is kept
+    if text[len(text) - tail] in "._-:/ " and tail > 1:  # "com.exam….pay.capture": the cut is at the dot
+        tail -= 1
+    head = width - 1 - tail
+    return text[:head] + "…" + text[len(text) - tail :]
+
+
+def clip_apart(texts: list[str], width: int) -> list[str]:
+    """Each text clipped to ``width``: at its end where that leaves it unlike the others, else in its middle
+    (two errors that begin alike read the same, clipped at their ends).
+
+    >>> clip_apart(["PermanentError: invalid VAT id for DE", "PermanentError: invalid VAT id for FR", "x"], 24)
+    ['PermanentE…VAT id for DE', 'PermanentE…VAT id for FR', 'x']
+    """
+    ends = [clip(t, width) for t in texts]
+    seen: dict[str, int] = {}
+    for e in ends:
+        seen[e] = seen.get(e, 0) + 1
+    pairs = zip(texts, ends, strict=True)
+    return [e if seen[e] == 1 or e == " ".join(t.split()) else clip_middle(t, width) for t, e in pairs]
+
+
 def short_id(job_id: Any) -> str:
     return str(job_id)[:8]
 

@@ -595,3 +595,53 @@ def test_the_audit_screen_names_a_limits_type_and_hides_the_consoles_token(dsn: 
 
     run_async(scenario())
     backend.close()
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 36)], ids=["80x24", "120x36"])
+def test_the_overviews_detail_line_puts_its_warnings_first_and_is_never_cut(size: tuple[int, int]) -> None:
+    # at 80x24 the line ended "… │ lock w…": the timings and "▲ dlq over" never showed; at 120, "latency 2.2s…"
+    from qconsole.screens.overview import OverviewScreen
+    from tests.qconsole.test_pilot import screen_text
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=size) as pilot:
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            [line] = [x for x in screen_text(app).splitlines() if "email.send @ default" in x]
+            assert "…" not in line and len(line.rstrip()) <= size[0]
+            fields = [f.strip() for f in line.split("│")]
+            assert fields[1:3] == ["▲ lag over 1m00s", "▲ dlq over 0.5/m"]
+            assert "wait to start 42s" in fields
+            if size[0] >= 120:
+                assert "handler 350ms" in fields and "retries 6.1/m" in fields
+
+    run_async(scenario())
+
+
+class LookAlikeGroups(FakeBackend):
+    def dead_letter_groups(self) -> Any:
+        def group(country: str, n: int) -> DeadLetterGroup:
+            fingerprint = f"PermanentError: invalid VAT identifier <*> for the customer's country {country}"
+            return DeadLetterGroup("invoice.generate", fingerprint, fingerprint, n, None, None, [], "failed")
+
+        self._read("dead_letter_groups")
+        return [group("DE", 12), group("FR", 3)]
+
+
+def test_dead_letter_groups_whose_errors_begin_alike_read_apart_at_80x24() -> None:
+    # both groups read "PermanentError: invalid VAT i…": clipped at their ends, the part that differs was cut off
+    app = fake_app(LookAlikeGroups())
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "d", DeadLettersScreen)
+            table = screen.query_one(LiveTable)
+            errors = [str(table.get_row_at(i)[-1]).strip() for i in range(table.row_count)]
+            assert errors[0] != errors[1] and errors[0].endswith("country DE") and errors[1].endswith("country FR")
+            assert all(e.startswith("PermanentE") for e in errors)
+
+    run_async(scenario())
