@@ -191,6 +191,8 @@ class TypeStats:
     queued: int = 0
     running: int = 0
     retry_scheduled: int = 0
+    #: of ``queued``, the jobs scheduled later (not due yet)
+    queued_later: int = 0
     succeeded: int = 0
     failed: int = 0
     dead_lettered: int = 0
@@ -223,6 +225,11 @@ class TypeStats:
     @property
     def waiting(self) -> int:
         return self.queued + self.retry_scheduled
+
+    @property
+    def queued_due(self) -> int:
+        """The queued jobs due now (the others are scheduled later)."""
+        return self.queued - self.queued_later
 
 
 @dataclass(frozen=True)

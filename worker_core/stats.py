@@ -80,6 +80,7 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
                 queue=key[0],
                 job_type=key[1],
                 queued=int(r.get("queued", 0)),
+                queued_later=int(r.get("queued_later", 0)),
                 running=int(r.get("running", 0)),
                 retry_scheduled=int(r.get("retry_scheduled", 0)),
                 failed=int(r.get("failed", 0)),

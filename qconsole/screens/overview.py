@@ -41,10 +41,10 @@ def row_key(t: TypeStats) -> str:
 class OverviewScreen(ConsoleScreen):
     TITLE_TEXT = "Overview"
     HELP = (
-        "Per queue and job type. lag: the age of the type's oldest job due and waiting. ▲ marks lag or DLQ rate"
-        " over its threshold; ⏸ a paused queue; ⏸0 a type held by a limit of 0, ≤N one limited to N running."
-        " Sparklines: the type's jobs done per minute; the queue's average wait to start (its last point: the"
-        " oldest waiting job's age)."
+        "Per queue and job type. wait: queued jobs due now (+N: scheduled later). lag: the age of the type's"
+        " oldest job due and waiting. ▲ marks lag or DLQ rate over its threshold; ⏸ a paused queue; ⏸0 a type"
+        " held by a limit of 0, ≤N one limited to N running. Sparklines: the type's jobs done per minute; the"
+        " queue's average wait to start (its last point: the oldest waiting job's age)."
     )
 
     BINDINGS = [
@@ -114,7 +114,11 @@ class OverviewScreen(ConsoleScreen):
                             + (f" {fmt.limit_mark(t.concurrency_limit)}" if t.concurrency_limit is not None else ""),
                             style=st,
                         ),
-                        cell(fmt.count(t.queued), right=True),  # retrying ones have their own column
+                        # due now, and those scheduled later apart: "wait 20" counted jobs due in 30 days
+                        cell(
+                            fmt.count(t.queued_due) + (f" +{fmt.count(t.queued_later)}" if t.queued_later else ""),
+                            right=True,
+                        ),  # retrying ones have their own column
                         cell(fmt.count(t.running), right=True),
                         cell(fmt.count(t.retry_scheduled), right=True),
                         cell(fmt.count(t.failed), right=True),
@@ -214,6 +218,8 @@ class OverviewScreen(ConsoleScreen):
             parts.append((f"{fmt.PAUSED} held (limit 0)", bold))
         elif t.concurrency_limit is not None:
             parts.append((f"≤{t.concurrency_limit} running (limit)", ""))
+        if t.queued_later:
+            parts.append((f"+{t.queued_later} queued for later", ""))
         # over the window, per job started: its wait before start (due to start) and its handler's time
         if t.latency_avg_seconds or t.duration_avg_seconds:  # both 0: nothing started in the window
             parts.append((f"wait to start {fmt.elapsed(t.latency_avg_seconds)}", ""))

@@ -645,3 +645,30 @@ def test_dead_letter_groups_whose_errors_begin_alike_read_apart_at_80x24() -> No
             assert all(e.startswith("PermanentE") for e in errors)
 
     run_async(scenario())
+
+
+def test_the_overviews_wait_column_tells_jobs_due_now_from_jobs_scheduled_later(
+    dsn: str, conn: Any, make_job: Any
+) -> None:
+    # "wait 20" counted 20 jobs scheduled 30 days ahead, as if they waited now
+    from qconsole.backend import DatabaseBackend
+    from qconsole.screens.overview import OverviewScreen
+    from tests.qconsole.test_pilot import console, screen_text
+
+    for i in range(20):
+        make_job("t.ok", {"n": i}, delay_seconds=30 * 86400)
+    make_job("t.ok", {"n": "now"})
+    backend = DatabaseBackend(dsn)
+    app = console(dsn, backend=backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            row = screen.query_one(LiveTable).get_row("default\x1ft.ok")
+            assert str(row[3]).strip() == "1 +20"
+            assert "+20 queued for later" in screen_text(app)
+
+    run_async(scenario())
+    backend.close()

@@ -639,3 +639,30 @@ def test_workers_list_the_running_ones_first_then_the_stopped_ones_newest_stop_f
     conn.execute("INSERT INTO workers (id, host, pid, concurrency) VALUES ('z:1', 'z', 1, 4), ('y:2', 'y', 2, 4)")
     rows = stats.workers(conn)
     assert [w.id for w in rows] == ["y:2", "z:1", *(f"a:{i}" for i in reversed(range(10)))]
+
+
+def test_the_overview_tells_queued_jobs_due_now_from_those_scheduled_later(wconn: db.Conn) -> None:
+    # "wait 2" on queue lagging counted the job due in an hour with the one waiting since 120 s ago
+    by = {(t.queue, t.job_type): t for t in stats.overview(wconn, clock=FixedClock(NOW)).types}
+    lagging = by[("lagging", "t.ok")]
+    assert (lagging.queued, lagging.queued_later, lagging.queued_due) == (2, 1, 1)
+    assert (by[("held", "t.ok")].queued_later, by[("default", "t.ok")].queued_later) == (0, 0)
+    later = stats.overview(wconn, clock=FixedClock(NOW + dt.timedelta(hours=2))).types
+    assert [(t.queued_due, t.queued_later) for t in later if t.queue == "lagging"] == [(2, 0)]
+
+
+def test_the_live_counts_read_no_finished_row_on_a_table_of_200k(conn: db.Conn) -> None:
+    # the overview's counts of jobs scheduled later are read where its counts are, through the partial
+    # indexes: not a sequential scan of the finished rows
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at) "
+        "SELECT 't.ok', 'default', '{}', 'succeeded', now() FROM generate_series(1, 200000)"
+    )
+    enqueue(conn, "t.ok", {}, delay_seconds=30 * 86400)
+    enqueue(conn, "t.ok", {})
+    conn.execute("ANALYZE job_queue")
+    now = dt.datetime.now(dt.timezone.utc)
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + queries["stats_live"], {"now": now}))
+    assert "Seq Scan on job_queue" not in plan, plan
+    [t] = stats.overview(conn).types
+    assert (t.queued, t.queued_later, t.succeeded) == (2, 1, 0)
