@@ -160,13 +160,16 @@ def clip_apart(texts: list[str], width: int) -> list[str]:
 
     >>> clip_apart(["PermanentError: invalid VAT id for DE", "PermanentError: invalid VAT id for FR", "x"], 24)
     ['PermanentE…VAT id for DE', 'PermanentE…VAT id for FR', 'x']
+    >>> clip_apart(["TransientError: upstream 503 from smtp"] * 2, 24)
+    ['TransientError: upstrea…', 'TransientError: upstrea…']
     """
     ends = [clip(t, width) for t in texts]
-    seen: dict[str, int] = {}
-    for e in ends:
-        seen[e] = seen.get(e, 0) + 1
-    pairs = zip(texts, ends, strict=True)
-    return [e if seen[e] == 1 or e == " ".join(t.split()) else clip_middle(t, width) for t, e in pairs]
+    # the same text twice (a group's error, dead and still retrying) reads alike, rightly: only different
+    # texts that read alike are cut in the middle
+    texts_of: dict[str, set[str]] = {}
+    for t, e in zip(texts, ends, strict=True):
+        texts_of.setdefault(e, set()).add(t)
+    return [e if len(texts_of[e]) == 1 else clip_middle(t, width) for t, e in zip(texts, ends, strict=True)]
 
 
 def short_id(job_id: Any) -> str:

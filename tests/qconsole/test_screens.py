@@ -627,8 +627,11 @@ class LookAlikeGroups(FakeBackend):
             fingerprint = f"PermanentError: invalid VAT identifier <*> for the customer's country {country}"
             return DeadLetterGroup("invoice.generate", fingerprint, fingerprint, n, None, None, [], "failed")
 
+        smtp = "TransientError: upstream <n> from smtp relay '<*>' after <n>s"
         self._read("dead_letter_groups")
-        return [group("DE", 12), group("FR", 3)]
+        return [group("DE", 12), group("FR", 3),
+                DeadLetterGroup("email.send", smtp, smtp, 5, None, None, [], "dead_lettered"),
+                DeadLetterGroup("email.send", smtp, smtp, 2, None, None, [], "retry_scheduled")]  # fmt: skip
 
 
 def test_dead_letter_groups_whose_errors_begin_alike_read_apart_at_80x24() -> None:
@@ -642,7 +645,9 @@ def test_dead_letter_groups_whose_errors_begin_alike_read_apart_at_80x24() -> No
             table = screen.query_one(LiveTable)
             errors = [str(table.get_row_at(i)[-1]).strip() for i in range(table.row_count)]
             assert errors[0] != errors[1] and errors[0].endswith("country DE") and errors[1].endswith("country FR")
-            assert all(e.startswith("PermanentE") for e in errors)
+            assert all(e.startswith("PermanentE") for e in errors[:2])
+            # one error, dead and still retrying: alike, rightly, and clipped at its end
+            assert errors[2] == errors[3] == "TransientError: upstream <n> …"
 
     run_async(scenario())
 
