@@ -126,6 +126,8 @@ class ConsoleBackend(Protocol):
 
     def kill(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult: ...
 
+    def discard(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult: ...
+
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult: ...
 
     def abort_actions(self) -> None:
@@ -528,6 +530,12 @@ class DatabaseBackend:
         self._refuse_if_read_only()
         return self._act_told(
             lambda c, token: ops.kill(c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token)
+        )
+
+    def discard(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
+        self._refuse_if_read_only()
+        return self._act_told(
+            lambda c, token: ops.discard(c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token)
         )
 
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult:

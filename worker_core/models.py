@@ -47,8 +47,8 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
             JobState.QUEUED,  # released on shutdown or lock contention, attempt given back
         }
     ),
-    JobState.DEAD_LETTERED: frozenset({JobState.QUEUED}),
-    JobState.FAILED: frozenset({JobState.QUEUED}),
+    JobState.DEAD_LETTERED: frozenset({JobState.QUEUED, JobState.CANCELLED}),  # requeued, or discarded
+    JobState.FAILED: frozenset({JobState.QUEUED, JobState.CANCELLED}),
     JobState.CANCELLED: frozenset({JobState.QUEUED}),
     JobState.SUCCEEDED: frozenset(),
 }

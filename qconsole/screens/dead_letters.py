@@ -1,8 +1,10 @@
-"""``d`` Dead letters: grouped by job type and error fingerprint. ``space`` marks, ``r`` requeues, ``K`` kills.
+"""``d`` Dead letters: grouped by job type and error fingerprint. ``space`` marks, ``r`` requeues, ``K`` kills,
+``X`` discards.
 
-Groups of dead-lettered and failed jobs are what an operator requeues once the cause is fixed; groups of
-jobs still retrying with the same error are what an operator kills (cancelled, never retried) when the
-cause will not go away. Both act on the marked groups, or the group under the cursor.
+Groups of dead-lettered and failed jobs are what an operator requeues once the cause is fixed, or discards
+(cancelled, off this screen, never run again) when they can never succeed; groups of jobs still retrying
+with the same error are what an operator kills (cancelled, never retried) when the cause will not go away.
+Each acts on the marked groups, or the group under the cursor.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ COLUMNS = [
 ]
 REQUEUEABLE = {s.value for s in REQUEUEABLE_STATES}
 KILLABLE = {s.value for s in KILLABLE_STATES}
-PAST = {"requeue": "Requeued", "kill": "Killed"}
+PAST = {"requeue": "Requeued", "kill": "Killed", "discard": "Discarded"}
+KEYS = {"requeue": "r", "kill": "K", "discard": "X"}
 
 
 def _nothing(backend: ConsoleBackend) -> ActionResult:
@@ -60,6 +63,7 @@ class DeadLettersScreen(ConsoleScreen):
         Binding("space", "mark", "Mark"),
         Binding("r", "requeue", "Requeue"),
         Binding("K", "kill", "Kill"),
+        Binding("X", "discard", "Discard"),
         Binding("e", "show_error", "Error+payload"),
     ]
 
@@ -255,7 +259,7 @@ class DeadLettersScreen(ConsoleScreen):
         if self.app.screen is not self:
             # the operator went elsewhere meanwhile: the question is asked on the screen it was asked for or
             # not at all (over another screen, a `y` meant for that one would answer it)
-            key = "r" if name == "requeue" else "K"
+            key = KEYS[name]
             self.notify(
                 f"{name.capitalize()} not asked: you left the dead letters while their jobs were read."
                 f" Nothing changed; {key} there asks again.",
@@ -265,7 +269,9 @@ class DeadLettersScreen(ConsoleScreen):
             return
 
         def run(backend: ConsoleBackend) -> ActionResult:
-            return backend.requeue(ids) if name == "requeue" else backend.kill(ids)
+            if name == "requeue":
+                return backend.requeue(ids)
+            return backend.kill(ids) if name == "kill" else backend.discard(ids)
 
         self.act(
             name,
@@ -292,8 +298,18 @@ class DeadLettersScreen(ConsoleScreen):
             "kill",
             KILLABLE,
             "Kill",
-            "are already dead or failed: requeue them instead",
+            "are already dead or failed: requeue (r) or discard (X) them instead",
             "Cancelled now and never retried; a running one stops within a heartbeat.",
+        )
+
+    def action_discard(self) -> None:
+        self._run_on_groups(
+            "discard",
+            REQUEUEABLE - {"cancelled"},
+            "Discard",
+            "are still retrying: kill (K) them instead",
+            "Cancelled: off the dead letters, never run again; their history keeps what they died of, and a"
+            " requeue (qconsole requeue ID) brings one back.",
         )
 
     @on(DataTable.RowSelected)

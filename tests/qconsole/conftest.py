@@ -292,6 +292,9 @@ class FakeBackend:
     def kill(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
         return self._act("kill", job_ids)
 
+    def discard(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
+        return self._act("discard", job_ids)
+
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult:
         self.calls.append(("set_paused", (queue, paused)))
         return ActionResult("pause" if paused else "resume", 1, [], [], audit_id=5)

@@ -111,6 +111,39 @@ def test_requeue_a_dead_letter_group_with_keys(dsn: str, conn: db.Conn, make_job
     assert entry.os_user == ops.Actor.current().os_user
 
 
+def test_discard_a_dead_letter_group_and_kill_points_to_it(dsn: str, conn: db.Conn) -> None:
+    # dead letters that could never succeed could not be cleared from this screen: K said "already dead or
+    # failed: requeue them instead", and nothing else would take them
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, attempts, finished_at, last_error,"
+        " error_fingerprint) SELECT 't.ok', 'default', '{}', 'dead_lettered', 1, now(), 'bad VAT id',"
+        " 'bad VAT id' FROM generate_series(1, 3)"
+    )
+    conn.commit()
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "d", DeadLettersScreen)
+            assert screen.current() is not None
+            await pilot.press("K")
+            await settle(pilot)
+            assert "discard (X)" in notes(app)
+            await pilot.press("X")
+            await settle(pilot)
+            assert isinstance(app.screen, ConfirmScreen)
+            assert "Discard 3 job(s) in 1 group(s)" in app.screen.question
+            await pilot.press("y")
+            await settle(pilot)
+            assert "Discarded 3 job(s)" in notes(app)
+
+    run_async(scenario())
+    rows = conn.execute("SELECT state FROM job_queue").fetchall()
+    assert [r["state"] for r in rows] == ["cancelled"] * 3
+    assert stats.audit_log(conn)[0].action == "discard"
+
+
 def test_a_group_action_that_takes_long_is_said_to_run_and_the_screens_read_on_meanwhile(
     dsn: str, conn: db.Conn
 ) -> None:
