@@ -929,14 +929,8 @@ class Worker:
                 self._stopping.wait(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, 10.0)
 
-    #: a beat that skipped a job's row (locked by another transaction: an operator's, a kill's) beats again
-    #: this soon, not a whole interval later: each beat then queues for the lock a moment (_beat_locked), so
-    #: that when it goes this worker extends the lease before any worker's claim can take an expired one
-    REBEAT_SECONDS = 0.05
-
     def _heartbeat_main(self) -> None:
-        interval = self.config.heartbeat_interval
-        while not self._halted.wait(min(self.REBEAT_SECONDS, interval) if self._skipped else interval):
+        while not self._halted.wait(self.config.heartbeat_interval):
             self._heartbeat_once()
 
     def _heartbeat_once(self) -> None:
@@ -949,8 +943,6 @@ class Worker:
             self.log.exception("heartbeat error")
 
     _hb_conn: db.Conn | None = None
-    #: the last beat skipped a locked row of one of this worker's jobs (see REBEAT_SECONDS)
-    _skipped = False
 
     def _extend_lock(self, conn: db.Conn, ex: Execution) -> bool:
         """A running job's lock_key lease, extended with its job lease. Lost (it ran out and another job
@@ -981,7 +973,6 @@ class Worker:
         # while it could not (a row locked by an operator's open transaction, the database away), and they
         # were run again. Its fenced settlement finds what became of them: nothing to cancel here
         settling = self.completer.waiting()
-        self._skipped = False
         if in_flight or settling:
             ids = [ex.job["id"] for ex in in_flight] + [ex.job["id"] for ex in settling]
             with conn.transaction():
@@ -989,9 +980,12 @@ class Worker:
                     queries["heartbeat_jobs"], {"now": now, "worker": self.id, "ids": array_literal(ids)}
                 ).fetchall()
             held = {r["id"]: r for r in rows}
-            skipped = [r["id"] for r in rows if not r["extended"]]
-            self._skipped = bool(skipped)
-            self._seen_in_beat(in_flight, held)
+            for ex in in_flight:
+                r = held.get(ex.job["id"])
+                if r is None or r["attempts"] != ex.job["attempts"]:
+                    ex.ctx.cancel("lease_lost")
+                elif r["cancel_requested"]:
+                    ex.ctx.cancel("killed")
         with conn.transaction():
             if final:
                 conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})
@@ -1023,37 +1017,7 @@ class Worker:
             self._refresh_claim_filters(conn)
         if not final:
             self._look_for_solo_work(conn)
-        if self._skipped and not final:
-            self._beat_locked(conn, skipped, in_flight)
 
-    def _seen_in_beat(self, in_flight: list[Execution], held: dict[Any, dict[str, Any]]) -> None:
-        """What a beat found of the running jobs: a lease lost, or a kill."""
-        for ex in in_flight:
-            r = held.get(ex.job["id"])
-            if r is None or r["attempts"] != ex.job["attempts"]:
-                ex.ctx.cancel("lease_lost")
-            elif r["cancel_requested"]:
-                ex.ctx.cancel("killed")
-
-    #: how long a beat queues for the row of a job of this worker's that another transaction holds locked
-    LOCKED_WAIT_MS = 500
-
-    def _beat_locked(self, conn: db.Conn, ids: list[Any], in_flight: list[Execution]) -> None:
-        """The leases a beat skipped (rows another transaction holds locked: an operator's, a kill's): a
-        short wait in the lock's queue, in id order (see queries.sql, "Lock order"), last in the beat. A row
-        locked for longer than its lease has an expired lease when the lock goes, and any worker's claim may
-        take it then: queued, this worker is the one the lock goes to, and the lease is extended first.
-        Again at once (REBEAT_SECONDS) while rows stay locked."""
-        try:
-            with conn.transaction():
-                conn.execute(f"SET LOCAL lock_timeout = {int(self.LOCKED_WAIT_MS)}")
-                rows = conn.execute(
-                    queries["heartbeat_locked"], {"now": self.clock.now(), "worker": self.id, "ids": array_literal(ids)}
-                ).fetchall()
-        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
-            return  # still locked: the next beat, soon, queues again
-        waited = {r["id"]: r for r in rows}
-        self._seen_in_beat([ex for ex in in_flight if ex.job["id"] in set(ids)], waited)
     def _host_now(self) -> dt.datetime:
         return self.clock.host_now() if isinstance(self.clock, ServerAlignedClock) else self.clock.now()
 

@@ -330,20 +330,6 @@ SELECT id, attempts, cancel_requested, false FROM job_queue
 WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE AND locked_by = %(worker)s
   AND id NOT IN (SELECT id FROM ours);
 
--- name: heartbeat_locked
--- The leases heartbeat_jobs skipped (their rows locked by another transaction), waited for this time, under
--- the beat's short lock_timeout (Worker._beat_locked), in id order (see "Lock order" above).
-WITH ours AS MATERIALIZED (
-    SELECT id FROM job_queue
-    WHERE id = ANY(%(ids)s::uuid[]) AND (state = 'running') IS TRUE AND locked_by = %(worker)s
-    ORDER BY id FOR NO KEY UPDATE
-)
-UPDATE job_queue j SET
-    locked_until = %(now)s + make_interval(secs => j.visibility_timeout_seconds),
-    updated_at = %(now)s
-WHERE j.id = ANY(ARRAY(SELECT id FROM ours))
-RETURNING j.id, j.attempts, j.cancel_requested;
-
 -- name: record_processed_key
 INSERT INTO processed_keys (idempotency_key, job_id, job_type, processed_at, expires_at)
 VALUES (%(key)s, %(job_id)s, %(job_type)s, %(now)s, %(now)s + make_interval(secs => %(retention_seconds)s))
