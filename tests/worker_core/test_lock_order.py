@@ -95,6 +95,24 @@ class Stmt(threading.Thread):
             self.conn.close()
 
 
+class Kill(threading.Thread):
+    """An operator's ops.kill of ``ids`` in a thread; keeps its backend's pid and what it raised."""
+
+    def __init__(self, dsn: str, ids: list[uuid.UUID]) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.ids = dsn, ids
+        self.pid: int | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with db.connect(self.dsn) as c:
+                self.pid = c.info.backend_pid
+                ops.kill(c, self.ids, reason="stop this type")
+        except BaseException as x:
+            self.error = x
+
+
 def _ids(n: int) -> list[uuid.UUID]:
     return sorted(uuid.uuid4() for _ in range(n))
 
@@ -183,16 +201,7 @@ def test_operator_kill_of_many_and_heartbeat_do_not_deadlock(dsn: str, victim: s
         assert "Bitmap Heap Scan" in kill_plan, kill_plan
         assert "Index Scan using job_queue_pkey" in beat_plan, beat_plan
 
-        kill_error: list[BaseException] = []
-        kill_pids: list[int] = []
-
-        def kill() -> None:
-            try:
-                with db.connect(dsn) as c:
-                    kill_pids.append(c.info.backend_pid)
-                    ops.kill(c, doomed, reason="stop this type")
-            except BaseException as x:
-                kill_error.append(x)
+        killer = Kill(dsn, doomed)
 
         # PostgreSQL aborts the statement whose current wait began first. D held: the heartbeat is parked
         # after A, the kill waits on A, then the heartbeat on B: the kill is aborted. E held: the kill is
@@ -201,19 +210,14 @@ def test_operator_kill_of_many_and_heartbeat_do_not_deadlock(dsn: str, victim: s
         with db.connect(dsn) as third:
             third.execute("SELECT 1 FROM job_queue WHERE id = %s FOR NO KEY UPDATE", (held,))
             beat = Stmt(dsn, queries["heartbeat_jobs"], _heartbeat_params(mine))
-            killer = threading.Thread(target=kill, daemon=True)
-
-            def kill_pid() -> int | None:
-                return kill_pids[0] if kill_pids else None
-
             if held == d:
                 beat.start()
                 _parked(admin, beat.pid, beat)  # the heartbeat waits on no row now: it skips D
                 killer.start()
-                _parked(admin, kill_pid, killer)  # on A
+                _parked(admin, lambda: killer.pid, killer)  # on A
             else:
                 killer.start()
-                pid = wait_for(kill_pid, what="the kill's statement")
+                pid = wait_for(lambda: killer.pid, what="the kill's statement")
                 assert pid is not None
                 wait_for(lambda: _waiting(admin, pid), what="the kill to wait on E")
                 beat.start()
@@ -223,7 +227,7 @@ def test_operator_kill_of_many_and_heartbeat_do_not_deadlock(dsn: str, victim: s
         beat.join(30)
         killer.join(30)
 
-    errors = {"heartbeat": beat.error, "kill": kill_error[0] if kill_error else None}
+    errors = {"heartbeat": beat.error, "kill": killer.error}
     assert not any(isinstance(x, psycopg.errors.DeadlockDetected) for x in errors.values()), errors
 
 
@@ -247,30 +251,20 @@ def test_operator_kill_of_many_and_a_group_settlement_do_not_deadlock(dsn: str) 
         assert "Index Scan using job_queue_pkey" in settle_plan
         assert "Bitmap Heap Scan" in _plan(admin, queries["kill_jobs"], {"ids": doomed, "now": now, "message": "m"})
 
-        kill_error: list[BaseException] = []
-        kill_pids: list[int] = []
-
-        def kill() -> None:
-            try:
-                with db.connect(dsn) as c:
-                    kill_pids.append(c.info.backend_pid)
-                    ops.kill(c, doomed, reason="stop this type")
-            except BaseException as x:
-                kill_error.append(x)
+        killer = Kill(dsn, doomed)
 
         with db.connect(dsn) as third:
             third.execute("SELECT 1 FROM job_queue WHERE id = %s FOR NO KEY UPDATE", (d,))
             settle = Stmt(dsn, queries["settle_succeeded_many"], _settle_params(group))
             settle.start()
             wait_for(lambda: _waiting(admin, settle.pid), what="the settlement to wait on D")
-            killer = threading.Thread(target=kill, daemon=True)
             killer.start()
-            _parked(admin, lambda: kill_pids[0] if kill_pids else None, killer)  # on A
+            _parked(admin, lambda: killer.pid, killer)  # on A
             time.sleep(0.1)
             third.commit()
         settle.join(30)
         killer.join(30)
 
-    errors = {"settlement": settle.error, "kill": kill_error[0] if kill_error else None}
+    errors = {"settlement": settle.error, "kill": killer.error}
     assert not any(isinstance(x, psycopg.errors.DeadlockDetected) for x in errors.values()), errors
     assert settle.error is None and len(settle.rows) == 3  # settled before the kill came to them
