@@ -29,7 +29,9 @@ class Completer:
     While the worker lives, the heartbeat extends the leases of the jobs waiting here (``waiting``), as of
     those running: when a settlement cannot go through for a while (a row lock it waits on, the database
     away), they were run again by another worker, or by this one, as their first run waited to be settled.
-    The worker claims nothing more while ``max_in_flight`` jobs wait here (Worker._may_claim)."""
+    A job whose row another transaction holds is settled with a later batch (see _flush). While its
+    settlements fail, the worker claims nothing more once ``max_in_flight`` jobs wait here
+    (Worker._completer_full)."""
 
     FLUSH_SECONDS = 0.005
     MAX_BATCH = 500
