@@ -718,8 +718,8 @@ class Worker:
         return kept + [r for r in surplus if r["id"] not in released]
 
     def _completer_full(self) -> bool:
-        """The completer cannot settle (a row lock it waits on, the database away) and holds as many jobs as
-        the worker may have in flight: while claims went through, the jobs it waited to settle (and the
+        """The completer cannot settle (its statement fails: the database away, or refusing it) and holds as
+        many jobs as the worker may have in flight: while claims went through, the jobs it waited to settle (and the
         heartbeat extends) grew with every claim, without limit. Not while it settles: in a drain of no-op
         jobs it holds hundreds between two flushes, and a claimer parked on them idled the slots."""
         return self.completer.failing and self.completer.pending() >= self.max_in_flight
@@ -730,8 +730,8 @@ class Worker:
             self._slot_free.notify_all()
 
     def _may_claim(self) -> bool:
-        """Not while a job runs alone, nor while draining for one, nor while the completer has as many jobs
-        to settle as the worker may hold in flight; else when a slot is free."""
+        """Not while a job runs alone, nor while draining for one, nor while a completer that cannot settle
+        holds as many jobs as the worker may hold in flight; else when a slot is free."""
         if self._solo_in_flight:
             return False
         if self._completer_full():
