@@ -107,7 +107,14 @@ class ConsoleBackend(Protocol):
     def charts(self) -> ChartData: ...
 
     def list_jobs(
-        self, *, state: str | None, job_type: str | None, queue: str | None, search: str | None, limit: int
+        self,
+        *,
+        state: str | None,
+        job_type: str | None,
+        queue: str | None,
+        search: str | None,
+        limit: int,
+        next_first: bool = False,
     ) -> list[Job]: ...
 
     def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]: ...
@@ -488,10 +495,19 @@ class DatabaseBackend:
         return self._call(read)
 
     def list_jobs(
-        self, *, state: str | None, job_type: str | None, queue: str | None, search: str | None, limit: int
+        self,
+        *,
+        state: str | None,
+        job_type: str | None,
+        queue: str | None,
+        search: str | None,
+        limit: int,
+        next_first: bool = False,
     ) -> list[Job]:
         return self._call(
-            lambda c: stats.list_jobs(c, state=state, job_type=job_type, queue=queue, search=search, limit=limit)
+            lambda c: stats.list_jobs(
+                c, state=state, job_type=job_type, queue=queue, search=search, limit=limit, next_first=next_first
+            )
         )
 
     def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]:

@@ -770,15 +770,22 @@ def jobs(
     queue: Annotated[str | None, typer.Option("--queue")] = None,
     search: Annotated[str | None, typer.Option("--search", help="Id prefix, key or error text.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, max=10000)] = 50,
+    next_first: Annotated[
+        bool, typer.Option("--next", help="The waiting jobs in the order workers claim them, the next first.")
+    ] = False,
     as_json: JsonOpt = False,
     dsn: DsnOpt = None,
 ) -> None:
-    """List jobs by state, type and queue."""
+    """List jobs by state, type and queue, newest activity first (--next: the head of the queue first)."""
     if state is not None and state not in {s.value for s in JobState}:
         fail(f"unknown state {state!r}: one of {', '.join(s.value for s in JobState)}", 2)
+    if next_first and search:
+        fail("--next lists the waiting jobs in claim order: not with --search", 2)
     with connect(dsn, read_only=True) as conn:
         rows = guarded(
-            lambda: stats.list_jobs(conn, state=state, job_type=job_type, queue=queue, search=search, limit=limit)
+            lambda: stats.list_jobs(
+                conn, state=state, job_type=job_type, queue=queue, search=search, limit=limit, next_first=next_first
+            )
         )
     output.jobs(rows, as_json)
 

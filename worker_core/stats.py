@@ -217,10 +217,16 @@ def list_jobs(
     queue: str | None = None,
     search: str | None = None,
     limit: int = 100,
+    next_first: bool = False,
 ) -> list[Job]:
     """Jobs by filter, newest activity first. ``search`` matches an id prefix, idempotency, dedup or lock
-    key, or the error text (see _search_query for how far each looks). Every value is a bound parameter."""
-    query, params = list_jobs_query(state=state, job_type=job_type, queue=queue, search=search, limit=limit)
+    key, or the error text (see _search_query for how far each looks). Every value is a bound parameter.
+    ``next_first`` (and no search): the waiting jobs in the order the workers claim them (priority, then
+    not-before time, then id), the head of the queue first: the oldest waiting job, the one behind a lag,
+    was past the newest 10,000 of a backlog."""
+    query, params = list_jobs_query(
+        state=state, job_type=job_type, queue=queue, search=search, limit=limit, next_first=next_first
+    )
     return [Job.from_row(r) for r in conn.execute(query, params)]
 
 
@@ -231,6 +237,7 @@ def list_jobs_query(
     queue: str | None = None,
     search: str | None = None,
     limit: int = 100,
+    next_first: bool = False,
 ) -> tuple[sql.Composed, dict[str, Any]]:
     """list_jobs' statement and parameters. No index holds every row version by updated_at (migration
     0009): it takes the newest of each of _ACTIVITY_SOURCES, each through its index, and merges them."""
@@ -252,6 +259,17 @@ def list_jobs_query(
         where.append(sql.SQL("queue = %(queue)s"))
     if search:
         return _search_query(search, where, params, state)
+    if next_first:
+        if state and JobState(state) not in WAITING_STATES:
+            where.append(sql.SQL("false"))  # a finished or running job is no longer in line
+        # through job_queue_ready_idx (its predicate, its order): the claim's walk
+        query = sql.SQL(
+            "SELECT {cols} FROM job_queue WHERE {where} ORDER BY priority, scheduled_at, id LIMIT %(limit)s"
+        ).format(
+            cols=_JOB_COLUMNS,
+            where=sql.SQL(" AND ").join([sql.SQL("state IN ('queued', 'retry_scheduled')"), *where]),
+        )
+        return query, params
     branches = []
     for states, condition, order in _ACTIVITY_SOURCES:
         if state and JobState(state) not in states:

@@ -40,6 +40,8 @@ class JobFilter:
     job_type: str | None = None
     queue: str | None = None
     search: str | None = None
+    #: the waiting jobs in the order workers claim them, the head of the queue first (n)
+    next_first: bool = False
 
     @property
     def narrowed(self) -> bool:
@@ -52,19 +54,24 @@ class JobFilter:
             f"type={self.job_type}" if self.job_type else "",
             f"queue={self.queue}" if self.queue else "",
             f"search={self.search!r}" if self.search else "",
+            "next to run first" if self.next_first and not self.search else "",
         ]
         return " ".join(p for p in parts if p) or "all jobs"
 
 
 class JobsScreen(ConsoleScreen):
     TITLE_TEXT = "Jobs"
-    HELP = "Newest activity first. Filters: state, type, queue; / searches ids, keys and error text."
+    HELP = (
+        "Newest activity first; n: the waiting jobs in the order workers claim them (the head of the queue"
+        " first). Filters: state, type, queue; / searches ids, keys and error text."
+    )
 
     BINDINGS = [
         Binding("slash", "search", "Search", key_display="/"),
         Binding("enter", "open", "Open job", show=False),  # for the help screen: the table's is shown
         Binding("escape", "leave_filters", "Table", show=False),
         Binding("x", "clear_filters", "Clear filters", tooltip="Clear the state, type and queue filters"),
+        Binding("n", "next_first", "Next to run", tooltip="The waiting jobs in claim order (n again: newest first)"),
     ]
 
     def __init__(self, **kwargs: Any) -> None:
@@ -137,7 +144,7 @@ class JobsScreen(ConsoleScreen):
             return v if isinstance(v, str) else None
 
         search = self.query_one("#f-search", Input).value.strip() or None
-        return JobFilter(val("#f-state"), val("#f-type"), val("#f-queue"), search)
+        return JobFilter(val("#f-state"), val("#f-type"), val("#f-queue"), search, self.filter.next_first)
 
     @on(Select.Changed)
     def _filter_changed(self, _event: Select.Changed) -> None:
@@ -159,8 +166,15 @@ class JobsScreen(ConsoleScreen):
         self.query_one(LiveTable).focus()
 
     def action_clear_filters(self) -> None:
-        """Drop the state, type and queue filters; the search stays."""
-        self.set_filter(search=self.filter.search)
+        """Drop the state, type and queue filters; the search stays (and the order)."""
+        self.set_filter(search=self.filter.search, next_first=self.filter.next_first)
+
+    def action_next_first(self) -> None:
+        """The waiting jobs in claim order, the head of the queue first; again: newest activity first."""
+        f = self.filter
+        self.set_filter(
+            state=f.state, job_type=f.job_type, queue=f.queue, search=f.search, next_first=not f.next_first
+        )
 
     def set_filter(self, **kwargs: Any) -> None:
         self.filter = JobFilter(**kwargs)
@@ -181,7 +195,9 @@ class JobsScreen(ConsoleScreen):
 
     def fetch(self, backend: ConsoleBackend) -> tuple[JobFilter, list[Job], list[Job] | None]:
         f = self.filter
-        jobs = backend.list_jobs(state=f.state, job_type=f.job_type, queue=f.queue, search=f.search, limit=LIMIT)
+        jobs = backend.list_jobs(
+            state=f.state, job_type=f.job_type, queue=f.queue, search=f.search, limit=LIMIT, next_first=f.next_first
+        )
         elsewhere = None
         if not jobs and f.search and f.narrowed:
             # the filters were combined with the search silently: a running job's id pasted under state

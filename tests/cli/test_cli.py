@@ -121,6 +121,15 @@ def test_reading_commands(cli: Any, conn: db.Conn) -> None:
     cli("jobs", "--state", "sleeping", code=2)
 
 
+def test_jobs_next_lists_the_head_of_the_queue_first(cli: Any) -> None:
+    # newest activity first only: the job behind a lag was past any --limit in a backlog
+    urgent = cli("enqueue", "t.ok", "--priority", "-5").stdout.strip()
+    later = cli("enqueue", "t.ok").stdout.strip()
+    assert [j["id"] for j in json.loads(cli("jobs", "--json").stdout)] == [later, urgent]
+    assert [j["id"] for j in json.loads(cli("jobs", "--next", "--json").stdout)] == [urgent, later]
+    assert "not with --search" in cli("jobs", "--next", "--search", "x", code=2).output
+
+
 def test_operator_actions_are_audited_with_user_and_ssh_client(
     cli: Any, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -178,7 +178,14 @@ class FakeBackend:
         )
 
     def list_jobs(
-        self, *, state: str | None, job_type: str | None, queue: str | None, search: str | None, limit: int
+        self,
+        *,
+        state: str | None,
+        job_type: str | None,
+        queue: str | None,
+        search: str | None,
+        limit: int,
+        next_first: bool = False,
     ) -> list[Job]:
         self._read("list_jobs", dict(state=state, job_type=job_type, queue=queue, search=search))
         out = [
@@ -189,6 +196,9 @@ class FakeBackend:
             and (not queue or j.queue == queue)
             and (not search or search in str(j.id) or search in (j.last_error or ""))
         ]
+        if next_first and not search:
+            out = sorted((j for j in out if j.state.value in ("queued", "retry_scheduled")),
+                         key=lambda j: (j.priority, j.scheduled_at, j.id.int))  # fmt: skip
         return out[:limit]
 
     def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]:

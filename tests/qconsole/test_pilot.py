@@ -921,6 +921,36 @@ def test_the_banner_gives_the_age_of_the_data_on_the_screen_shown(dsn: str) -> N
     backend.close()
 
 
+def test_n_lists_the_waiting_jobs_head_of_the_queue_first(dsn: str, conn: db.Conn) -> None:
+    # newest activity first only: in a backlog, the head of the queue (the job behind a lag) was out of reach
+    from textual.widgets import Static
+
+    from qconsole.screens.jobs import JobsScreen
+    from qconsole.widgets.table import LiveTable
+    from worker_core.producer import enqueue
+
+    head = enqueue(conn, "t.ok", {}, priority=-5).id
+    tail = [enqueue(conn, "t.ok", {"i": i}).id for i in range(3)]  # newer: first in the default order
+    conn.commit()
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "j", JobsScreen)
+            table = screen.query_one(LiveTable)
+            assert table.cursor_key != str(head)
+            await pilot.press("n")
+            await settle(pilot)
+            assert "next to run first" in str(screen.query_one("#jobs-status", Static).content)
+            assert [j.id for j in screen.jobs] == [head, *tail]
+            await pilot.press("n")  # again: newest activity first
+            await settle(pilot)
+            assert screen.jobs[0].id == tail[-1]
+
+    run_async(scenario())
+
+
 def test_a_jobs_read_that_fails_says_so_on_the_status_line_until_one_succeeds(dsn: str, conn: db.Conn) -> None:
     """A search the database refuses (a statement timeout): the toast goes after a few seconds and the table
     went on showing the unfiltered list while the search box held the search, as if it had matched."""

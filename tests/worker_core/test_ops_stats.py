@@ -197,6 +197,32 @@ def test_list_jobs_reads_each_source_through_its_index(conn: db.Conn) -> None:
         raise psycopg.Rollback()
 
 
+def test_list_jobs_next_first_is_the_claim_order_through_the_ready_index(conn: db.Conn) -> None:
+    # newest activity first only: in a backlog the head of the queue (the oldest waiting job, the one behind
+    # a lag) was past the newest 10,000, out of every list's reach
+    now = dt.datetime.now(dt.timezone.utc)
+    late = enqueue(conn, "t.ok", {}, priority=5).id
+    urgent = enqueue(conn, "t.ok", {}, priority=-1).id
+    old = enqueue(conn, "t.ok", {}, priority=5, scheduled_at=now + dt.timedelta(seconds=1)).id
+    retrying = enqueue(conn, "t.ok", {}, queue="mail").id
+    running = enqueue(conn, "t.ok", {}).id
+    conn.execute("UPDATE job_queue SET scheduled_at = now() - interval '1 hour' WHERE id = %s", (old,))
+    conn.execute("UPDATE job_queue SET state = 'retry_scheduled' WHERE id = %s", (retrying,))
+    conn.execute("UPDATE job_queue SET state = 'running', attempts = 1 WHERE id = %s", (running,))
+    ids = [j.id for j in stats.list_jobs(conn, next_first=True)]
+    assert ids[0] == urgent and ids.index(old) < ids.index(late) and running not in ids and retrying in ids
+    assert [j.id for j in stats.list_jobs(conn, next_first=True, queue="mail")] == [retrying]
+    assert stats.list_jobs(conn, next_first=True, state="running") == []  # no longer in line
+    conn.execute(  # a backlog of 20,000 beside 20,000 finished jobs, its statistics fresh
+        "INSERT INTO job_queue (job_type, queue, payload, state, finished_at) SELECT 't.ok', 'default', '{}',"
+        " CASE WHEN i % 2 = 0 THEN 'queued' ELSE 'succeeded' END, now() FROM generate_series(1, 40000) AS i"
+    )
+    conn.execute("ANALYZE job_queue")
+    query, params = stats.list_jobs_query(next_first=True, limit=200)
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(sql.SQL("EXPLAIN ") + query, params))
+    assert "Index Scan using job_queue_ready_idx" in plan and "Sort" not in plan, plan  # the claim's walk
+
+
 def test_live_counts_read_the_waiting_and_running_indexes(conn: db.Conn) -> None:
     # no index holds every live state (migration 0011: a claim makes one index entry fewer); the counts
     # of the overview and of a --burst worker read the waiting jobs' and the running jobs' partial indexes,
