@@ -96,8 +96,15 @@ class JobsScreen(ConsoleScreen):
 
     def on_mount(self) -> None:
         self.query_one("#f-search", Input).cursor_blink = self.qapp.cursor_blink
-        self.query_one(LiveTable).focus()
         self._sync_widgets()
+
+        def table_unless_searching() -> None:
+            # a `/` from another screen, the list shown for the first time, put the search box first: given
+            # to the table after it, the letters typed a moment later ran as commands (`c` opened the charts)
+            if not isinstance(self.focused, Input):
+                self.set_focus(self.query_one(LiveTable))
+
+        self.call_after_refresh(table_unless_searching)
 
     def on_screen_resume(self) -> None:
         pending = self.qapp.pending_job_filter

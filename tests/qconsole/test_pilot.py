@@ -1443,6 +1443,35 @@ def test_a_screens_key_lands_on_its_list_closing_a_job_detail_on_the_way(dsn: st
     run_async(scenario())
 
 
+def test_slash_then_a_pause_still_types_into_the_search_of_a_list_shown_for_the_first_time(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
+    # seen in the demo: `/` from the dead letters, the jobs list never shown yet, and a second later
+    # "invoice": the list's on_mount gave its table the focus after the box got it, and `o` then `c` ran as
+    # keys (the charts opened)
+    from textual.widgets import Input
+
+    from qconsole.screens.jobs import JobsScreen
+
+    make_job("t.ok", {})
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await opened(pilot, "d", DeadLettersScreen)
+            await pilot.press("slash")
+            await asyncio.sleep(1.0)  # a person's pause before typing
+            await pilot.pause()
+            for ch in "invoice":
+                await pilot.press(ch)
+            await settle(pilot)
+            assert isinstance(app.screen, JobsScreen), app.screen
+            assert app.screen.query_one("#f-search", Input).value == "invoice"
+
+    run_async(scenario())
+
+
 def test_slash_on_a_job_detail_types_into_the_jobs_search_never_into_commands(
     dsn: str, conn: db.Conn, make_job: Any
 ) -> None:
