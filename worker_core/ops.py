@@ -258,10 +258,17 @@ def requeue(
         audit_id = _audit(conn, now, actor, "requeue", job_ids=changed, reason=reason, detail=detail)
         for q in sorted({r["queue"] for r in rows}):
             conn.execute(queries["notify_queue"], {"queue": q})
-        done = set(changed)
-        skipped = [i for i in ids if i not in done]
-        why = _why_skipped(conn, "requeue", skipped)
-    return ActionResult("requeue", len(ids), changed, skipped, audit_id, why)
+        return _result(conn, "requeue", ids, changed, audit_id)
+
+
+def _result(
+    conn: Conn, action: str, ids: list[uuid.UUID], changed: list[uuid.UUID], audit_id: int
+) -> ActionResult:
+    """What an action on ``ids`` did: the jobs it changed, and why each other one was skipped (read in the
+    action's transaction)."""
+    done = set(changed)
+    skipped = [i for i in ids if i not in done]
+    return ActionResult(action, len(ids), changed, skipped, audit_id, _why_skipped(conn, action, skipped))
 
 
 def _why_skipped(conn: Conn, action: str, skipped: list[uuid.UUID]) -> dict[uuid.UUID, str]:
@@ -322,10 +329,7 @@ def kill(
                 {"cancelled": len(waiting), "signalled_running": len(running), "requested": len(ids)}, token
             ),
         )  # fmt: skip
-        done = set(changed)
-        skipped = [i for i in ids if i not in done]
-        why = _why_skipped(conn, "kill", skipped)
-    return ActionResult("kill", len(ids), changed, skipped, audit_id, why)
+        return _result(conn, "kill", ids, changed, audit_id)
 
 
 def discard(
@@ -352,10 +356,7 @@ def discard(
             conn, now, actor, "discard", job_ids=changed, reason=reason,
             detail=_with_token({"requested": len(ids)}, token),
         )  # fmt: skip
-        done = set(changed)
-        skipped = [i for i in ids if i not in done]
-        why = _why_skipped(conn, "discard", skipped)
-    return ActionResult("discard", len(ids), changed, skipped, audit_id, why)
+        return _result(conn, "discard", ids, changed, audit_id)
 
 
 def group_job_ids(conn: Conn, job_type: str, fingerprint: str, state: str = "dead_lettered") -> list[uuid.UUID]:

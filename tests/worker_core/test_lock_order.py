@@ -41,6 +41,7 @@ def _fill(conn: db.Conn) -> None:
         "INSERT INTO job_queue (job_type, state, finished_at, last_error) "
         "SELECT 't.noop', 'succeeded', now(), repeat('x', 1500) FROM generate_series(1, 20000)"
     )
+    conn.execute("ANALYZE job_queue")
 
 
 def _running(conn: db.Conn, ids: list[uuid.UUID], worker: str = WORKER) -> None:
@@ -117,6 +118,12 @@ def _ids(n: int) -> list[uuid.UUID]:
     return sorted(uuid.uuid4() for _ in range(n))
 
 
+def _cast() -> tuple[uuid.UUID, uuid.UUID, uuid.UUID, uuid.UUID, list[uuid.UUID]]:
+    """The jobs of every scenario: A < D < B in uuid order (the order an ordered lock takes), E and 8 more."""
+    a, d, b = _ids(3)
+    return a, d, b, uuid.uuid4(), [uuid.uuid4() for _ in range(8)]
+
+
 def _heartbeat_params(ids: list[uuid.UUID]) -> dict[str, Any]:
     return {"now": dt.datetime.now(dt.timezone.utc), "worker": WORKER, "ids": array_literal(ids)}
 
@@ -140,13 +147,10 @@ def test_group_settlement_and_heartbeat_do_not_deadlock(dsn: str, victim: str) -
     heartbeat holds B and waits for A. Which one PostgreSQL aborts depends on which waited first; both are
     forced here. The group's settlement aborted: the whole group is rolled back and given back, its handlers
     run again (Slot.run_group -> _give_back_group); the heartbeat aborted: that beat is lost."""
-    a, d, b = _ids(3)
-    e = uuid.uuid4()
-    others = [uuid.uuid4() for _ in range(8)]
+    a, d, b, e, others = _cast()
     with db.connect(dsn, autocommit=True) as admin:
         _running(admin, [b, e, a, d, *others])
         _fill(admin)
-        admin.execute("ANALYZE job_queue")
         group = [a, d, b]  # in whatever order the worker lists them: the plan sorts them
         in_flight = [a, b, d, e, *others]
         settle_plan = _plan(admin, queries["settle_succeeded_many"], _settle_params(group))
@@ -183,16 +187,13 @@ def test_operator_kill_of_many_and_heartbeat_do_not_deadlock(dsn: str, victim: s
     uuid order A < D < B; heap order B, E, A, D, ... The kill holds B and waits for A, the heartbeat holds
     A and waits for B. The kill aborted: the operator's action fails (nothing killed, no audit row); the
     heartbeat aborted: that beat is lost (leases, lock_key leases, kills seen, the worker's row)."""
-    a, d, b = _ids(3)
-    e = uuid.uuid4()
-    others = [uuid.uuid4() for _ in range(8)]
+    a, d, b, e, others = _cast()
     with db.connect(dsn, autocommit=True) as admin:
         _running(admin, [b], WORKER)
         _running(admin, [e], "w-other")
         _running(admin, [a, d], WORKER)
         _running(admin, others, "w-other")
         _fill(admin)
-        admin.execute("ANALYZE job_queue")
         mine = [a, d, b]
         doomed = [b, e, a, d, *others]
         now = dt.datetime.now(dt.timezone.utc)
@@ -237,13 +238,10 @@ def test_operator_kill_of_many_and_a_group_settlement_do_not_deadlock(dsn: str) 
     the settlement holds A and waits for D; the kill took B and E and waits for A; D freed, the settlement
     waits for B: a cycle, and PostgreSQL aborted one (the group ran its handlers again, or the action
     failed). Both now lock in id order: the kill waits at A holding nothing the settlement needs."""
-    a, d, b = _ids(3)
-    e = uuid.uuid4()
-    others = [uuid.uuid4() for _ in range(8)]
+    a, d, b, e, others = _cast()
     with db.connect(dsn, autocommit=True) as admin:
         _running(admin, [b, e, a, d, *others])
         _fill(admin)
-        admin.execute("ANALYZE job_queue")
         group = [a, d, b]
         doomed = [b, e, a, d, *others]
         now = dt.datetime.now(dt.timezone.utc)
