@@ -218,14 +218,18 @@ def list_jobs(
     search: str | None = None,
     limit: int = 100,
     next_first: bool = False,
+    after: Job | None = None,
 ) -> list[Job]:
     """Jobs by filter, newest activity first. ``search`` matches an id prefix, idempotency, dedup or lock
     key, or the error text (see _search_query for how far each looks). Every value is a bound parameter.
     ``next_first`` (and no search): the waiting jobs in the order the workers claim them (priority, then
     not-before time, then id), the head of the queue first: the oldest waiting job, the one behind a lag,
-    was past the newest 10,000 of a backlog."""
+    was past the newest 10,000 of a backlog.
+    ``after`` (no search): the page that follows this job in the list's order, as the job was when it was
+    read (its sort values, not its row now: a page stays put while the jobs on the one before it move on).
+    Keyset paging, through the same indexes as the first page: page 500 costs what page 1 does."""
     query, params = list_jobs_query(
-        state=state, job_type=job_type, queue=queue, search=search, limit=limit, next_first=next_first
+        state=state, job_type=job_type, queue=queue, search=search, limit=limit, next_first=next_first, after=after
     )
     return [Job.from_row(r) for r in conn.execute(query, params)]
 
@@ -238,9 +242,12 @@ def list_jobs_query(
     search: str | None = None,
     limit: int = 100,
     next_first: bool = False,
+    after: Job | None = None,
 ) -> tuple[sql.Composed, dict[str, Any]]:
     """list_jobs' statement and parameters. No index holds every row version by updated_at (migration
     0009): it takes the newest of each of _ACTIVITY_SOURCES, each through its index, and merges them."""
+    if after is not None and search:
+        raise ValueError("a search is not paged: its matches are the newest ones (refine it instead)")
     where: list[sql.Composable] = []
     params: dict[str, Any] = {"limit": max(1, min(int(limit), 10_000))}
     if state:
@@ -262,6 +269,10 @@ def list_jobs_query(
     if next_first:
         if state and JobState(state) not in WAITING_STATES:
             where.append(sql.SQL("false"))  # a finished or running job is no longer in line
+        if after is not None:
+            # a row comparison in the index's own order: the walk starts where the page before ended
+            params.update(after_priority=after.priority, after_at=after.scheduled_at, after_id=after.id)
+            where.append(sql.SQL("(priority, scheduled_at, id) > (%(after_priority)s, %(after_at)s, %(after_id)s)"))
         # through job_queue_ready_idx (its predicate, its order): the claim's walk
         query = sql.SQL(
             "SELECT {cols} FROM job_queue WHERE {where} ORDER BY priority, scheduled_at, id LIMIT %(limit)s"
@@ -270,14 +281,24 @@ def list_jobs_query(
             where=sql.SQL(" AND ").join([sql.SQL("state IN ('queued', 'retry_scheduled')"), *where]),
         )
         return query, params
+    if after is not None:
+        # (updated_at DESC, id): older, or as old with a greater id. Mixed directions make no row comparison;
+        # `updated_at <=` is what bounds each source's index walk, the OR only sorts out the ties
+        params.update(after_at=after.updated_at, after_id=after.id)
+        where.append(sql.SQL("updated_at <= %(after_at)s AND (updated_at < %(after_at)s OR id > %(after_id)s)"))
     branches = []
     for states, condition, order in _ACTIVITY_SOURCES:
         if state and JobState(state) not in states:
             continue
+        bounds = where
+        if after is not None and order.startswith("finished_at"):
+            # the finished jobs are walked by finished_at, which their settlement wrote with updated_at (a
+            # later change only moves updated_at on): finished_at <= updated_at, so this bound drops none
+            bounds = [*where, sql.SQL("finished_at <= %(after_at)s")]
         branches.append(
             sql.SQL("(SELECT {cols} FROM job_queue WHERE {where} ORDER BY {order} LIMIT %(limit)s)").format(
                 cols=_JOB_COLUMNS,
-                where=sql.SQL(" AND ").join([sql.SQL(condition), *where]),
+                where=sql.SQL(" AND ").join([sql.SQL(condition), *bounds]),
                 order=sql.SQL(order),
             )
         )
