@@ -115,6 +115,7 @@ class ConsoleBackend(Protocol):
         search: str | None,
         limit: int,
         next_first: bool = False,
+        after: Job | None = None,
     ) -> list[Job]: ...
 
     def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]: ...
@@ -503,10 +504,18 @@ class DatabaseBackend:
         search: str | None,
         limit: int,
         next_first: bool = False,
+        after: Job | None = None,
     ) -> list[Job]:
         return self._call(
             lambda c: stats.list_jobs(
-                c, state=state, job_type=job_type, queue=queue, search=search, limit=limit, next_first=next_first
+                c,
+                state=state,
+                job_type=job_type,
+                queue=queue,
+                search=search,
+                limit=limit,
+                next_first=next_first,
+                after=after,
             )
         )
 

@@ -33,7 +33,7 @@ from worker_core.migrate import (
     unknown_migrations,
 )
 from worker_core.migrate import migrate as run_migrations
-from worker_core.models import ActionResult, DeadLetterGroups, JobState
+from worker_core.models import ActionResult, DeadLetterGroups, Job, JobState
 from worker_core.sql import queries
 
 app = typer.Typer(
@@ -773,21 +773,49 @@ def jobs(
     next_first: Annotated[
         bool, typer.Option("--next", help="The waiting jobs in the order workers claim them, the next first.")
     ] = False,
+    after: Annotated[
+        str | None,
+        typer.Option(
+            "--after",
+            metavar="JOB_ID",
+            help="The page after this job in the list's order (the last id of the page before; not with --search).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     dsn: DsnOpt = None,
 ) -> None:
-    """List jobs by state, type and queue, newest activity first (--next: the head of the queue first)."""
+    """List jobs by state, type and queue, newest activity first (--next: the head of the queue first).
+
+    A full page says how to read the next one: the same command with --after and the last id shown."""
     if state is not None and state not in {s.value for s in JobState}:
         fail(f"unknown state {state!r}: one of {', '.join(s.value for s in JobState)}", 2)
     if next_first and search:
         fail("--next lists the waiting jobs in claim order: not with --search", 2)
+    if after is not None and search:
+        fail("a search is not paged (--after): its matches are the newest ones; narrow it instead", 2)
+    after_id = None
+    if after is not None:
+        try:
+            after_id = uuid.UUID(after)
+        except ValueError:
+            fail(f"--after {after!r} is not a job id", 2)
     with connect(dsn, read_only=True) as conn:
-        rows = guarded(
-            lambda: stats.list_jobs(
-                conn, state=state, job_type=job_type, queue=queue, search=search, limit=limit, next_first=next_first
+
+        def read() -> list[Job]:
+            anchor = stats.get_job(conn, after_id) if after_id is not None else None
+            return stats.list_jobs(
+                conn,
+                state=state,
+                job_type=job_type,
+                queue=queue,
+                search=search,
+                limit=limit,
+                next_first=next_first,
+                after=anchor,
             )
-        )
-    output.jobs(rows, as_json)
+
+        rows = guarded(read)
+    output.jobs(rows, as_json, more_after=str(rows[-1].id) if len(rows) >= limit and not search else None)
 
 
 @app.command()

@@ -62,10 +62,18 @@ def ts(value: dt.datetime | None) -> str:
     return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
 
-def jobs(rows: list[Job], as_json: bool) -> None:
+def jobs(rows: list[Job], as_json: bool, more_after: str | None = None) -> None:
+    """``more_after``: the page is full, and the next one follows this job (said on stderr: the output stays
+    the rows alone for the scripts that read it)."""
     if as_json:
         _json(rows)
-        return
+    else:
+        _jobs_table(rows)
+    if more_after is not None:
+        print(f"more may follow: the same command with --after {more_after}", file=sys.stderr)
+
+
+def _jobs_table(rows: list[Job]) -> None:
     t = Table("id", "type", "queue", "state", "attempt", "updated", "last error", box=None, pad_edge=False)
     for j in rows:
         _row(t,

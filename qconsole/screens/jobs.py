@@ -63,7 +63,8 @@ class JobsScreen(ConsoleScreen):
     TITLE_TEXT = "Jobs"
     HELP = (
         "Newest activity first; n: the waiting jobs in the order workers claim them (the head of the queue"
-        " first). Filters: state, type, queue; / searches ids, keys and error text."
+        f" first). Filters: state, type, queue; / searches ids, keys and error text. ] and [: the next and"
+        f" the previous {LIMIT} jobs of the list (a page stays where it is while the list moves on)."
     )
 
     BINDINGS = [
@@ -72,13 +73,31 @@ class JobsScreen(ConsoleScreen):
         Binding("escape", "leave_filters", "Table", show=False),
         Binding("x", "clear_filters", "Clear filters", tooltip="Clear the state, type and queue filters"),
         Binding("n", "next_first", "Next to run", tooltip="The waiting jobs in claim order (n again: newest first)"),
+        Binding("right_square_bracket", "next_page", "Next page", key_display="]", tooltip=f"The next {LIMIT} jobs"),
+        Binding("left_square_bracket", "previous_page", "Prev page", key_display="[", tooltip="The page before"),
     ]
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.filter = JobFilter()
+        #: the last job of each page before the one shown, as it was read: the shown page is the one after
+        #: the last of them (keyset paging). Another filter or order is another list: back to its first page
+        self.pages: list[Job] = []
+        self._filter = JobFilter()
         self.jobs: list[Job] = []
+        #: the page ``self.jobs`` is (len(self.pages) when it was read): a `]` before the next page landed
+        #: would take the last job of the page before it as the next anchor a second time
+        self._shown_page = 0
         self._option_values: dict[str, list[str]] = {}
+
+    @property
+    def filter(self) -> JobFilter:
+        return self._filter
+
+    @filter.setter
+    def filter(self, value: JobFilter) -> None:
+        if value != self._filter:
+            self.pages = []
+        self._filter = value
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(id="jobs-filters"):
@@ -183,6 +202,27 @@ class JobsScreen(ConsoleScreen):
             state=f.state, job_type=f.job_type, queue=f.queue, search=f.search, next_first=not f.next_first
         )
 
+    def action_next_page(self) -> None:
+        if self.filter.search:
+            self.notify(
+                f"A search shows its newest {LIMIT} matches, not pages: narrow it (or the filters) to reach others",
+                title="Not paged",
+            )
+        elif self._shown_page != len(self.pages):
+            return  # the page asked for is on its way: this `]` lands on it
+        elif len(self.jobs) < LIMIT:
+            self.notify("This is the last page of the list", title="No next page")
+        else:
+            self.pages.append(self.jobs[-1])
+            self.reload()
+
+    def action_previous_page(self) -> None:
+        if not self.pages:
+            self.notify("This is the first page of the list", title="No page before")
+        else:
+            self.pages.pop()
+            self.reload()
+
     def set_filter(self, **kwargs: Any) -> None:
         self.filter = JobFilter(**kwargs)
         self._sync_widgets()
@@ -200,10 +240,17 @@ class JobsScreen(ConsoleScreen):
 
     # ---------------------------------------------------------------- reading
 
-    def fetch(self, backend: ConsoleBackend) -> tuple[JobFilter, list[Job], list[Job] | None]:
-        f = self.filter
+    def fetch(self, backend: ConsoleBackend) -> tuple[JobFilter, int, list[Job], list[Job] | None]:
+        f, pages = self.filter, len(self.pages)
+        after = self.pages[-1] if pages and not f.search else None
         jobs = backend.list_jobs(
-            state=f.state, job_type=f.job_type, queue=f.queue, search=f.search, limit=LIMIT, next_first=f.next_first
+            state=f.state,
+            job_type=f.job_type,
+            queue=f.queue,
+            search=f.search,
+            limit=LIMIT,
+            next_first=f.next_first,
+            after=after,
         )
         elsewhere = None
         if not jobs and f.search and f.narrowed:
@@ -212,11 +259,12 @@ class JobsScreen(ConsoleScreen):
             elsewhere = backend.list_jobs(
                 state=None, job_type=None, queue=None, search=f.search, limit=ELSEWHERE_LIMIT
             )
-        return f, jobs, elsewhere
+        return f, pages, jobs, elsewhere
 
-    def show(self, data: tuple[JobFilter, list[Job], list[Job] | None]) -> None:
-        f, jobs, elsewhere = data
+    def show(self, data: tuple[JobFilter, int, list[Job], list[Job] | None]) -> None:
+        f, page, jobs, elsewhere = data
         self.jobs = jobs
+        self._shown_page = page
         now = self.qapp.clock.now()
         wide = self.size.width >= 100
         rows = []
@@ -235,10 +283,10 @@ class JobsScreen(ConsoleScreen):
                     ],
                 )
             )
-        self.query_one(LiveTable).set_rows(rows, shows=f)
+        self.query_one(LiveTable).set_rows(rows, shows=(f, page))
         status = Text(no_wrap=True, overflow="ellipsis")
-        more = f" (first {LIMIT})" if len(jobs) >= LIMIT else ""
-        status.append(f" {len(jobs)} job(s){more}", style="bold")
+        status.append(f" {len(jobs)} job(s)", style="bold")
+        status.append(self._page_hint(f, page, len(jobs)))
         if elsewhere is not None:
             status.append(" │ ")
             status.append_text(self._elsewhere(f, elsewhere))
@@ -248,6 +296,19 @@ class JobsScreen(ConsoleScreen):
         self.qapp.known_types = sorted(set(self.qapp.known_types) | {j.job_type for j in jobs})
         self.qapp.known_queues = sorted(set(self.qapp.known_queues) | {j.queue for j in jobs})
         self._refresh_options()
+
+    @staticmethod
+    def _page_hint(f: JobFilter, page: int, n: int) -> str:
+        """Where the page is in the list, and the keys that move along it."""
+        if f.search:
+            return f" (the newest {LIMIT} matches)" if n >= LIMIT else ""
+        first = page * LIMIT + 1
+        if page == 0:
+            return f" (first {LIMIT}; ] next page)" if n >= LIMIT else ""
+        if n == 0:
+            return f" past the first {page * LIMIT} (none left there now; [ back)"
+        keys = "[ back, ] next page" if n >= LIMIT else "the last; [ back"
+        return f" ({first}-{first + n - 1}: {keys})"
 
     @staticmethod
     def _elsewhere(f: JobFilter, found: list[Job]) -> Text:

@@ -130,6 +130,29 @@ def test_jobs_next_lists_the_head_of_the_queue_first(cli: Any) -> None:
     assert "not with --search" in cli("jobs", "--next", "--search", "x", code=2).output
 
 
+def test_jobs_after_reads_the_next_page(cli: Any, conn: db.Conn) -> None:
+    # --limit alone reached the first page only: the middle of a backlog was out of the CLI's reach
+    ids = [cli("enqueue", "t.ok", "--priority", str(i % 2)).stdout.strip() for i in range(5)]
+    for order in ([], ["--next"]):
+        whole = [j["id"] for j in json.loads(cli("jobs", *order, "--json").stdout)]
+        assert sorted(whole) == sorted(ids)
+        first = cli("jobs", *order, "--limit", "2", "--json")
+        page = [j["id"] for j in json.loads(first.stdout)]  # stdout holds the rows alone
+        assert page == whole[:2] and f"--after {page[-1]}" in first.stderr
+        seen = list(page)
+        while page:
+            result = cli("jobs", *order, "--limit", "2", "--after", seen[-1], "--json")
+            page = [j["id"] for j in json.loads(result.stdout)]
+            seen += page
+            assert ("--after" in result.stderr) == (len(page) == 2)
+        assert seen == whole
+    text = cli("jobs", "--limit", "2", "--after", ids[0]).stdout  # the table
+    assert "job(s)" in text
+    assert "not paged" in cli("jobs", "--search", "x", "--after", ids[0], code=2).output
+    assert "not a job id" in cli("jobs", "--after", "nope", code=2).output
+    assert "no job" in cli("jobs", "--after", str(uuid.uuid4()), code=1).output
+
+
 def test_operator_actions_are_audited_with_user_and_ssh_client(
     cli: Any, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:

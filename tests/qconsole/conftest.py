@@ -186,6 +186,7 @@ class FakeBackend:
         search: str | None,
         limit: int,
         next_first: bool = False,
+        after: Job | None = None,
     ) -> list[Job]:
         self._read("list_jobs", dict(state=state, job_type=job_type, queue=queue, search=search))
         out = [
@@ -199,6 +200,11 @@ class FakeBackend:
         if next_first and not search:
             out = sorted((j for j in out if j.state.value in ("queued", "retry_scheduled")),
                          key=lambda j: (j.priority, j.scheduled_at, j.id.int))  # fmt: skip
+            if after is not None:
+                out = [j for j in out if (j.priority, j.scheduled_at, j.id.int)
+                       > (after.priority, after.scheduled_at, after.id.int)]  # fmt: skip
+        elif after is not None:
+            out = [j for j in out if (j.updated_at, -j.id.int) < (after.updated_at, -after.id.int)]
         return out[:limit]
 
     def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]:

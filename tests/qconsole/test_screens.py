@@ -163,7 +163,7 @@ def test_enter_on_a_job_opens_that_job_even_if_a_refresh_moves_the_cursor_before
             assert table.cursor_key is not None
             seen["pressed_on"] = target = uuid.UUID(table.cursor_key)
             table.action_select_cursor()  # what enter does: posts RowSelected naming the row
-            screen.post_message(DataFetched((screen.filter, [j for j in screen.jobs if j.id != target], None)))
+            screen.post_message(DataFetched((screen.filter, 0, [j for j in screen.jobs if j.id != target], None)))
             await settle(pilot)
             assert table.cursor_key is not None and uuid.UUID(table.cursor_key) != target  # the cursor moved
             detail = app.screen
