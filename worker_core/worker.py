@@ -191,6 +191,9 @@ class Worker:
         self._backlog = False
         #: the filters the claim connection's ``worker_core_claim`` was prepared with, and its quoting
         self._claim_prepared: tuple[dict[str, Any], Callable[[bytes], bytes]] | None = None
+        #: when (by the worker's clock) the earliest claim began whose answer may have been lost: its jobs are
+        #: looked for before the next claim (claimed_unheard), not left running for their visibility timeout
+        self._unheard_since: dt.datetime | None = None
         #: lease-expired jobs or suspects are waiting: drain, then claim one to run alone
         self._want_solo = True
         #: until when (monotonic) the worker drains for solo work, claiming nothing while jobs are in flight:
@@ -460,15 +463,19 @@ class Worker:
 
         With nothing in flight and solo work waiting, it first claims one job whose lease expired (or a
         suspect), to run alone: see the ``claim_solo`` query."""
-        conn = self._conn_for_claims()
-        if self._filters_at is None:
-            self._refresh_claim_filters(conn)
+        began = self.clock.now()
         rows: list[dict[str, Any]] = []
         # each claim is one statement on an autocommit connection: atomic, and one round trip. Once one has
         # committed, its jobs are this worker's: a later one that fails must not lose them (nothing would
-        # run or beat for them until their leases ran out)
+        # run or beat for them until their leases ran out). One whose answer was lost may have committed:
+        # its jobs are looked for first, on the next connection (_claimed_unheard)
         try:
-            if not self._in_flight and self._want_solo:
+            conn = self._conn_for_claims()
+            if self._filters_at is None:
+                self._refresh_claim_filters(conn)
+            if self._unheard_since is not None:
+                rows = self._claimed_unheard(conn)  # this round's jobs, if any: the next round claims more
+            if not rows and not self._in_flight and self._want_solo:
                 rows = self._claim_solo(conn)
                 self._want_solo = bool(rows)
             if not rows or all(r["state"] != "running" for r in rows):
@@ -479,6 +486,8 @@ class Worker:
                 if limit - len(rows) > 0:
                     rows += self._claim_ready(conn, limit - len(rows))
         except Exception as e:  # not only a database error: rows already claimed must run all the same
+            if self._unheard_since is None or began < self._unheard_since:
+                self._unheard_since = began
             if not rows:
                 raise
             why = db.redact(str(e).strip(), self.dsn) if isinstance(e, psycopg.Error) else repr(e)
@@ -501,6 +510,20 @@ class Worker:
                 self.metrics.add(row["queue"], row["job_type"], "cancelled")
         running.sort(key=lambda r: (r["priority"], r["scheduled_at"], r["id"].int))  # ints: UUID.__lt__ is Python
         return running
+
+    def _claimed_unheard(self, conn: db.Conn) -> list[dict[str, Any]]:
+        """The jobs a claim whose answer was lost made this worker's (queries.sql ``claimed_unheard``): run
+        now, at the attempt that claim counted, as if its answer had come. Left alone they ran out their
+        visibility timeout (minutes, at 3 a.m.) and came back as lease expirations: suspects, run alone."""
+        with self._slot_free:
+            known = list(self._in_flight)
+        known += [ex.job["id"] for ex in self.completer.waiting()]
+        params = {"worker": self.id, "since": self._unheard_since, "now": self.clock.now(), "known": known}
+        rows = conn.execute(queries["claimed_unheard"], params).fetchall()
+        self._unheard_since = None
+        if rows:
+            self.log.warning("%s jobs claimed by a claim whose answer was lost: running them now", len(rows))
+        return rows
 
     def _limit_scopes(self) -> list[tuple[str, list[str]]]:
         """Each limited type with its scopes, in the order every worker takes their locks: types by name,

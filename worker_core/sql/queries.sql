@@ -199,6 +199,16 @@ FROM decided d
 WHERE j.id = d.id
 RETURNING {{claimed_columns}}, d.expired AS reclaimed;
 
+-- name: claimed_unheard
+-- The jobs a claim of this worker made running whose answer never came back: the connection broke after
+-- the claim committed (a network cut, a proxy, a failover that kept the commit). Only this worker's, not
+-- known to it, started (by its clock) since that claim began, their lease still live: an expired one is
+-- for the lease path (claim_solo), which another worker may be taking it by already.
+SELECT {{claimed_columns}}, false AS reclaimed FROM job_queue j
+WHERE j.state = 'running' AND j.locked_by = %(worker)s AND j.started_at >= %(since)s
+  AND j.locked_until > %(now)s AND j.id <> ALL(%(known)s::uuid[])
+ORDER BY j.priority, j.scheduled_at, j.id;
+
 -- name: claim_limited
 -- One limited (job type, queue scope) at a time, serialized by advisory locks: count what runs, claim at
 -- most the difference. A type's '*' limit caps all its queues together, a queue's own limit that queue
