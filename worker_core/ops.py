@@ -1,5 +1,6 @@
 """Operator actions: requeue, kill, pause and resume. Each one checks the connection may write, changes
-only rows in a legal source state, and writes its audit row in the same transaction."""
+only rows in a legal source state, and writes its audit row in the same transaction. The console's starts and
+stops of its embedded workers are audited here too (audit_worker), though they change no row."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import getpass
 import json
 import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -406,6 +407,51 @@ def set_paused(
         if not paused:
             conn.execute(queries["notify_queue"], {"queue": queue})
     return ActionResult("pause" if paused else "resume", 1, [], [], audit_id)
+
+
+#: what the console audits of the embedded workers it runs (its workers screen: s starts one, x stops one)
+WORKER_ACTIONS = ("worker_start", "worker_stop")
+
+
+def audit_worker(
+    conn: Conn,
+    action: str,
+    *,
+    number: int,
+    pid: int | None,
+    queues: Sequence[str],
+    concurrency: int,
+    tasks: Sequence[str],
+    host: str | None = None,
+    restart_cancelled: bool = False,
+    actor: Actor | None = None,
+    reason: str | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+    token: str | None = None,
+) -> ActionResult:
+    """Record that an operator started (``worker_start``) or stopped (``worker_stop``) an embedded worker: the
+    console's number of it, its process (``host``, ``pid``), its queues (none: every queue), its slots and task
+    modules; ``restart_cancelled``: a stop of a worker that had crashed and was to be started again. Nothing
+    else is written: the console starts or stops the worker itself, before this, and a write that fails stops
+    neither. The queue column names the worker's queue when it has only one (read beside a pause of that
+    queue); its queues are all in the detail. ``token`` as with requeue."""
+    if action not in WORKER_ACTIONS:
+        raise ValueError(f"{action!r} is not a worker action: worker_start or worker_stop")
+    actor = actor or Actor.current()
+    now = now_on(conn, clock)
+    detail: dict[str, Any] = {
+        "number": number, "pid": pid, "host": host, "queues": list(queues), "concurrency": concurrency,
+        "tasks": list(tasks),
+    }  # fmt: skip
+    if restart_cancelled:
+        detail["restart_cancelled"] = True
+    with conn.transaction():
+        ensure_writable(conn)
+        audit_id = _audit(
+            conn, now, actor, action, queue=queues[0] if len(queues) == 1 else None, reason=reason,
+            detail=_with_token(detail, token),
+        )  # fmt: skip
+    return ActionResult(action, 1, [], [], audit_id)
 
 
 def pause(conn: Conn, queue: str, **kwargs: Any) -> ActionResult:

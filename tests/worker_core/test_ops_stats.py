@@ -424,6 +424,9 @@ def test_read_only_connection_reads_but_refuses_every_operator_action(workload: 
             lambda: ops.kill(ro, [workload["late"]], actor=ops.Actor("intruder")),
             lambda: ops.pause(ro, "lagging", actor=ops.Actor("intruder")),
             lambda: ops.resume(ro, "held", actor=ops.Actor("intruder")),
+            lambda: ops.audit_worker(
+                ro, "worker_start", number=1, pid=1, queues=[], concurrency=1, tasks=["t"], actor=ops.Actor("intruder")
+            ),
         ]
         for action in actions:
             with pytest.raises(ReadOnlyError, match="read-only"):
@@ -468,6 +471,35 @@ def test_every_operator_action_is_audited_with_who_and_from_where(
     assert (resume.action, resume.queue) == ("resume", "default")
     # newest first
     assert [e.action for e in stats.audit_log(conn)] == ["resume", "pause", "requeue", "kill"]
+
+
+def test_an_embedded_worker_started_or_stopped_from_the_console_is_audited(
+    conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the console's s and x left no trace: who started the worker that ran the night's jobs, who stopped it
+    monkeypatch.setenv("SSH_CLIENT", "10.20.30.40 51234 22")
+    monkeypatch.delenv("SSH_CONNECTION", raising=False)
+    start = ops.audit_worker(conn, "worker_start", number=3, pid=4121, host="web-1", queues=["billing"],
+                             concurrency=4, tasks=["myapp.tasks"])  # fmt: skip
+    stop = ops.audit_worker(conn, "worker_stop", number=3, pid=4121, host="web-1", queues=["billing", "mail"],
+                            concurrency=4, tasks=["myapp.tasks", "myapp.more"], token="abc")  # fmt: skip
+    every = ops.audit_worker(conn, "worker_stop", number=4, pid=None, queues=[], concurrency=2, tasks=["t"],
+                             restart_cancelled=True)  # fmt: skip
+    assert (start.action, stop.action, start.requested, start.changed) == ("worker_start", "worker_stop", 1, [])
+    entries = {e.id: e for e in stats.audit_log(conn)}
+    first, second, third = (entries[r.audit_id] for r in (start, stop, every))
+    assert (first.os_user, first.ssh_client) == (getpass.getuser(), "10.20.30.40")
+    assert (first.action, first.job_ids, first.reason) == ("worker_start", [], None)
+    assert first.detail == {"number": 3, "pid": 4121, "host": "web-1", "queues": ["billing"], "concurrency": 4,
+                            "tasks": ["myapp.tasks"]}  # fmt: skip
+    # the queue column names a worker's only queue; a worker on several, or every, queue has them in its detail
+    assert (first.queue, second.queue, third.queue) == ("billing", None, None)
+    assert second.detail["queues"] == ["billing", "mail"] and second.detail[ops.TOKEN_KEY] == "abc"
+    assert ops.audit_entry_of_token(conn, "abc") == (stop.audit_id, 0)
+    assert third.detail["queues"] == [] and third.detail["restart_cancelled"] is True and third.detail["pid"] is None
+    with pytest.raises(ValueError, match="worker_start or worker_stop"):
+        ops.audit_worker(conn, "worker_restart", number=1, pid=1, queues=[], concurrency=1, tasks=["t"])
+    assert len(stats.audit_log(conn)) == 3
 
 
 def test_an_action_and_its_audit_row_commit_together(dsn: str) -> None:
