@@ -1,4 +1,5 @@
-"""The confirmation every row-changing action goes through: says what it touches, waits for ``y``."""
+"""The confirmation every row-changing action (and the stop of an embedded worker) goes through: says what it
+touches, waits for ``y``."""
 
 from __future__ import annotations
 

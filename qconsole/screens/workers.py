@@ -230,15 +230,51 @@ class WorkersScreen(ConsoleScreen):
             self.notify("Select an embedded worker (emb#) to stop it.", severity="warning")
             return
         if e.restart_pending:
-            launcher.stop(e.number)
-            self.notify(f"Embedded worker #{e.number}: its restart is cancelled.", markup=False)
-            self._paint()
-            return
-        if not e.running:
+            question = f"Cancel the restart of embedded worker #{e.number} (pid {e.pid})?"
+            details = (
+                f"It crashed (exit {e.exit_code}) and is to be started again after a pause. Its process has"
+                " ended: y and it is not started again."
+            )
+        elif not e.running:
             self.notify(f"Embedded worker #{e.number} is not running ({e.status}).", severity="warning")
             return
-        launcher.stop(e.number)
-        self.notify(
-            f"Stopping embedded worker #{e.number} (pid {e.pid}): it finishes or releases its jobs.", markup=False
-        )
-        self._paint()
+        elif e.stopping:
+            self.notify(f"Embedded worker #{e.number} (pid {e.pid}) is stopping already.", markup=False)
+            return
+        else:
+            question = f"Stop embedded worker #{e.number} (pid {e.pid})?"
+            details = stop_details(getattr(launcher, "shutdown_grace", None))
+        from qconsole.screens.confirm import ConfirmScreen
+
+        def answered(yes: bool | None) -> None:
+            if not yes:
+                self.notify(f"Stop cancelled: embedded worker #{e.number} is left as it is.", markup=False)
+                return
+            # as it is now, not as it was asked about: it may have crashed, or been started again, meanwhile
+            if e.restart_pending:
+                launcher.stop(e.number)
+                self.notify(f"Embedded worker #{e.number}: its restart is cancelled.", markup=False)
+            elif e.running and not e.stopping:
+                launcher.stop(e.number)
+                self.notify(
+                    f"Stopping embedded worker #{e.number} (pid {e.pid}): it finishes or releases its jobs.",
+                    markup=False,
+                )
+            else:
+                self.notify(f"Embedded worker #{e.number} ended meanwhile ({e.status}): nothing to stop.",
+                            severity="warning", markup=False)  # fmt: skip
+                return
+            self._paint()
+
+        self.app.push_screen(ConfirmScreen(question, details, action="stop worker"), answered)
+
+
+def stop_details(grace: float | None) -> str:
+    """What stopping an embedded worker does (EmbeddedWorkers.stop: a graceful stop, the worker's own shutdown):
+    ``grace`` is its shutdown grace, None where the launcher does not say."""
+    within = f"get {fmt.duration(grace)} to finish" if grace is not None else "get its shutdown grace to finish"
+    return (
+        "It stops claiming jobs. Those it claimed and has not started go back to the queue at once; its running"
+        f" jobs {within}, then are told to stop and go back to the queue, their attempt not counted (a job whose"
+        " handler will not stop waits for its lease to run out). It is not restarted."
+    )

@@ -1118,6 +1118,10 @@ def test_start_and_stop_an_embedded_worker_that_crashes_and_restarts(
             await settle(pilot)
             assert app.screen.selected_embedded() is w  # type: ignore[attr-defined]
             await pilot.press("x")
+            await settle(pilot)
+            assert isinstance(app.screen, ConfirmScreen) and f"(pid {w.pid})" in app.screen.question
+            assert w.running  # asked first
+            await pilot.press("y")
             await until(pilot, lambda: not w.running, what="the worker to stop")
             assert w.exit_code == 0 and w.stopping
             assert any("worker starting" in line for line in w.output)

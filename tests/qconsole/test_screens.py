@@ -57,6 +57,51 @@ def test_the_output_pane_follows_an_embedded_workers_output_as_it_grows() -> Non
     run_async(scenario())
 
 
+def test_x_asks_before_it_stops_an_embedded_worker_and_says_what_stopping_does() -> None:
+    # x stopped the worker under the cursor at once: one key from a worker running a night's jobs, asked nothing,
+    # where every other action that changes what runs asks first
+    launcher = FakeLauncher()
+    launcher.shutdown_grace = 5.0  # type: ignore[attr-defined]  # the real launcher's (EmbeddedWorkers)
+    app = fake_app(launcher=launcher)
+    assert ("x", "Stop embedded") in [(b.key, b.description) for b in WorkersScreen.BINDINGS]  # type: ignore[union-attr]
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "w", WorkersScreen)
+            assert screen.selected_embedded() is launcher.workers()[0]
+            for no in ("n", "escape"):
+                await pilot.press("x")
+                await settle(pilot)
+                question = app.screen
+                assert isinstance(question, ConfirmScreen)
+                assert question.question == "Stop embedded worker #1 (pid 4121)?"
+                assert "stops claiming jobs" in question.details and "5s to finish" in question.details
+                assert "back to the queue" in question.details and "not restarted" in question.details
+                await pilot.press(no)
+                await settle(pilot)
+                assert app.screen is screen and launcher.stopped == []
+            await pilot.press("x")
+            await settle(pilot)
+            await pilot.press("y")
+            await settle(pilot)
+            assert app.screen is screen and launcher.stopped == [1]
+            # a crashed worker waiting to be started again: x cancels its restart, after asking too
+            await pilot.press("down", "x")
+            await settle(pilot)
+            question = app.screen
+            assert isinstance(question, ConfirmScreen)
+            assert question.question == "Cancel the restart of embedded worker #2 (pid 4188)?"
+            await pilot.press("n")
+            await settle(pilot)
+            assert launcher.stopped == [1]
+            await pilot.press("x", "y")
+            await settle(pilot)
+            assert launcher.stopped == [1, 2]
+
+    run_async(scenario())
+
+
 class SlowGroupJobs(FakeBackend):
     """Fetching a group's jobs takes a while, as over a slow link or for a large group."""
 
