@@ -138,6 +138,21 @@ class ConsoleBackend(Protocol):
 
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult: ...
 
+    def audit_worker(
+        self,
+        action: str,
+        *,
+        number: int,
+        pid: int | None,
+        host: str,
+        queues: Sequence[str],
+        concurrency: int,
+        tasks: Sequence[str],
+        restart_cancelled: bool = False,
+    ) -> ActionResult:
+        """The audit entry of an embedded worker the console started or stopped (ops.audit_worker)."""
+        ...
+
     def abort_actions(self) -> None:
         """The console is quitting: the actions running fail (rolled back), and none starts after it."""
         ...
@@ -570,3 +585,23 @@ class DatabaseBackend:
                 c, queue, paused, actor=self.actor, reason=reason, clock=self.clock, token=token
             )
         )
+
+    def audit_worker(
+        self,
+        action: str,
+        *,
+        number: int,
+        pid: int | None,
+        host: str,
+        queues: Sequence[str],
+        concurrency: int,
+        tasks: Sequence[str],
+        restart_cancelled: bool = False,
+    ) -> ActionResult:
+        self._refuse_if_read_only()
+        return self._act_told(
+            lambda c, token: ops.audit_worker(
+                c, action, number=number, pid=pid, host=host, queues=queues, concurrency=concurrency, tasks=tasks,
+                restart_cancelled=restart_cancelled, actor=self.actor, clock=self.clock, token=token,
+            )
+        )  # fmt: skip

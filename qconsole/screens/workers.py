@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Log, Static
 
-from qconsole.backend import ConsoleBackend
+from qconsole.backend import ActionLost, ActionsAborted, ConsoleBackend, describe_error, is_outage
 from qconsole.embedded_workers import EmbeddedWorker
-from qconsole.screens.base import ConsoleScreen
+from qconsole.screens.base import ACTION_GROUP, ConsoleScreen
 from qconsole.widgets import fmt
 from qconsole.widgets.table import LiveTable, cell
 from worker_core.models import WorkerInfo
+
+if TYPE_CHECKING:
+    from qconsole.app import QConsoleApp
 
 COLUMNS = [
     ("src", "src", None),
@@ -215,6 +218,8 @@ class WorkersScreen(ConsoleScreen):
             self._paint()
             self.query_one(LiveTable).select_key(f"emb:{w.number}")
             self.reload()
+            if w.pid is not None:  # else it could not be started at all (its crash is said)
+                self._audit("worker_start", w)
 
         self.app.push_screen(
             StartWorkerScreen(",".join(self.qapp.default_tasks), "", self.qapp.default_concurrency), started
@@ -251,7 +256,8 @@ class WorkersScreen(ConsoleScreen):
                 self.notify(f"Stop cancelled: embedded worker #{e.number} is left as it is.", markup=False)
                 return
             # as it is now, not as it was asked about: it may have crashed, or been started again, meanwhile
-            if e.restart_pending:
+            restart_cancelled = e.restart_pending
+            if restart_cancelled:
                 launcher.stop(e.number)
                 self.notify(f"Embedded worker #{e.number}: its restart is cancelled.", markup=False)
             elif e.running and not e.stopping:
@@ -265,8 +271,55 @@ class WorkersScreen(ConsoleScreen):
                             severity="warning", markup=False)  # fmt: skip
                 return
             self._paint()
+            self._audit("worker_stop", e, restart_cancelled=restart_cancelled)
 
         self.app.push_screen(ConfirmScreen(question, details, action="stop worker"), answered)
+
+    def _audit(self, action: str, e: EmbeddedWorker, *, restart_cancelled: bool = False) -> None:
+        """The start or stop just done, written to the audit log off the UI thread (the worker is what it is as
+        it was started or asked to stop: a restart later runs another pid)."""
+        fields: dict[str, Any] = {
+            "number": e.number, "pid": e.pid, "host": e.host, "queues": list(e.queues),
+            "concurrency": e.concurrency, "tasks": list(e.tasks), "restart_cancelled": restart_cancelled,
+        }  # fmt: skip
+        self._write_audit(self.qapp, action, fields)
+
+    @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="embedded worker: its audit entry")
+    def _write_audit(self, app: QConsoleApp, action: str, fields: dict[str, Any]) -> None:
+        """Written, it says nothing more (the start or stop was said). Not written (the database down, a role
+        that may not write the audit log), or not known to be: said (app.notify is thread-safe), as an action's
+        failure is; the worker started, or stops, all the same."""
+        if action == "worker_start":
+            done = "started"
+        else:
+            done = "is not restarted" if fields["restart_cancelled"] else "is stopping"
+        what = f"Embedded worker #{fields['number']} (pid {fields['pid']}) {done}, but"
+        dsn = getattr(app.backend, "dsn", None)
+        unsure = False
+        try:
+            app.backend.audit_worker(action, **fields)
+            return
+        except ActionsAborted:
+            return  # the console quits: nobody to tell
+        except ActionLost as lost:  # its connection died: the backend told whether it committed
+            if lost.committed:
+                return
+            error = describe_error(lost.cause, dsn)
+            if lost.note:
+                error += f" ({lost.note})"
+            unsure = lost.committed is None
+        except Exception as exc:
+            error = describe_error(exc, dsn)
+            unsure = is_outage(exc)  # a backend that cannot tell: the answer to its COMMIT may be what was lost
+        if unsure:
+            app.notify(
+                f"{what} whether the audit log has it is unknown (the connection was lost): check the audit log (a)."
+                f" {error}",
+                title=action, severity="error", timeout=30, markup=False,
+            )  # fmt: skip
+        else:
+            app.notify(f"{what} this is not in the audit log: {error}", title=action, severity="error", timeout=10,
+                       markup=False)  # fmt: skip
 
 
 def stop_details(grace: float | None) -> str:

@@ -1132,6 +1132,90 @@ def test_start_and_stop_an_embedded_worker_that_crashes_and_restarts(
     assert all(not e.running for e in launcher.workers())
 
 
+#: a worker that idles until the console stops it (STOP_SIGNAL), then exits 0 as a real one does
+IDLE_WORKER = """
+import os, signal, sys, time
+os.write(int(sys.argv[sys.argv.index("--status-fd") + 1]), b"started\\n")
+signal.signal(signal.SIGUSR2, lambda *_: sys.exit(0))
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_an_embedded_worker_started_and_stopped_from_the_console_is_in_the_audit_log(
+    dsn: str, conn: db.Conn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # requeue, kill and pause were audited with who did them; a worker started or stopped from the console was not
+    monkeypatch.setenv("SSH_CLIENT", "203.0.113.9 40000 22")
+    launcher = EmbeddedWorkers(dsn, command=[sys.executable, "-c", IDLE_WORKER], log_dir=tmp_path)
+    app = console(dsn, launcher=launcher, default_tasks=(TASKS,), default_concurrency=3)
+
+    def actions() -> list[str]:
+        return [e.action for e in stats.audit_log(conn)]
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await opened(pilot, "w", WorkersScreen)
+            await pilot.press("s")
+            await settle(pilot)
+            assert isinstance(app.screen, StartWorkerScreen)
+            await pilot.press("tab", *"billing,mail", "enter")
+            await settle(pilot)
+            [w] = launcher.workers()
+            await until(pilot, lambda: "ready" in w.output, what="the worker up")
+            await until(pilot, lambda: actions() == ["worker_start"], what="the start's audit entry")
+            await pilot.press("x", "y")
+            await until(pilot, lambda: not w.running, what="the worker to stop")
+            await until(pilot, lambda: actions() == ["worker_stop", "worker_start"], what="the stop's audit entry")
+            assert w.exit_code == 0 and "audit" not in notes(app)
+
+    try:
+        run_async(scenario())
+    finally:
+        launcher.stop_all(timeout=5)
+    [w] = launcher.workers()
+    stop, start = stats.audit_log(conn)
+    for e in (start, stop):
+        assert (e.os_user, e.ssh_client) == (ops.Actor.current().os_user, "203.0.113.9")
+        assert e.queue is None and e.job_ids == []  # two queues: both in the detail
+        assert e.detail["number"] == 1 and e.detail["pid"] == w.pid and e.detail["concurrency"] == 3
+        assert e.detail["queues"] == ["billing", "mail"] and e.detail["tasks"] == [TASKS]
+        assert e.detail["host"] == w.host and ops.TOKEN_KEY in e.detail
+
+
+def test_an_embedded_worker_starts_and_stops_while_the_database_is_down_and_says_it_is_not_audited(
+    dsn: str, tmp_path: Path
+) -> None:
+    launcher = EmbeddedWorkers(dsn, command=[sys.executable, "-c", IDLE_WORKER], log_dir=tmp_path)
+    backend = DatabaseBackend(make_conninfo(dsn, host="127.0.0.1", port=1))
+    app = console(dsn, backend=backend, launcher=launcher, default_tasks=(TASKS,))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await opened(pilot, "w", WorkersScreen)
+            await pilot.press("s")
+            await settle(pilot)
+            await pilot.press("enter")
+            await settle(pilot)
+            [w] = launcher.workers()
+            await until(pilot, lambda: "ready" in w.output, what="the worker up, though its start is not audited")
+            await until(pilot, lambda: "started, but" in notes(app), what="the failed audit said")
+            assert "not in the audit log" in notes(app) and "Connection refused" in notes(app)
+            await pilot.press("x", "y")
+            await until(pilot, lambda: not w.running, what="the worker to stop, though its stop is not audited")
+            await until(pilot, lambda: "is stopping, but" in notes(app), what="the failed audit said")
+            assert w.exit_code == 0
+
+    try:
+        run_async(scenario())
+    finally:
+        launcher.stop_all(timeout=5)
+        backend.close()
+
+
 #: a worker that crashes as soon as it started: killed by SIGKILL (``--tasks kill``), or by an uncaught exception
 #: with a long message (``--tasks raise``); both log a job's retry first, as a busy worker does
 CRASHING_WORKER = """

@@ -12,6 +12,7 @@ from psycopg.errors import QueryCanceled
 from textual.widgets import Log
 
 from qconsole.backend import ActionLost
+from qconsole.embedded_workers import EmbeddedWorker
 from qconsole.messages import DataFetched
 from qconsole.screens.confirm import ConfirmScreen
 from qconsole.screens.dead_letters import DeadLettersScreen, group_key
@@ -19,7 +20,7 @@ from qconsole.screens.workers import WorkersScreen
 from qconsole.widgets.table import LiveTable
 from tests.qconsole.conftest import FakeBackend, FakeLauncher, fake_app
 from tests.qconsole.pilot import opened, run_async, settle, until
-from worker_core.models import DeadLetterGroup, DeadLetterGroups
+from worker_core.models import ActionResult, DeadLetterGroup, DeadLetterGroups
 
 SIZE = (80, 24)
 
@@ -98,6 +99,106 @@ def test_x_asks_before_it_stops_an_embedded_worker_and_says_what_stopping_does()
             await pilot.press("x", "y")
             await settle(pilot)
             assert launcher.stopped == [1, 2]
+
+    run_async(scenario())
+
+
+class AuditedBackend(FakeBackend):
+    """Records the audit entries of the embedded workers started and stopped, or fails to write them."""
+
+    def __init__(self, fail: BaseException | None = None) -> None:
+        super().__init__()
+        self.fail = fail
+        self.audited: list[tuple[str, dict[str, Any]]] = []
+
+    def audit_worker(self, action: str, **fields: Any) -> ActionResult:
+        self.audited.append((action, fields))
+        if self.fail is not None:
+            raise self.fail
+        return ActionResult(action, 1, [], [], audit_id=7)
+
+
+class StartingLauncher(FakeLauncher):
+    """A worker it starts is running (a process of its own, as far as the console can tell)."""
+
+    def start(self, *args: Any, **kwargs: Any) -> EmbeddedWorker:
+        w = super().start(*args, **kwargs)
+        w.proc = object()  # type: ignore[assignment]
+        return w
+
+
+def notes(app: Any) -> str:
+    return "\n".join(n.message for n in app._notifications)
+
+
+def test_starting_and_stopping_an_embedded_worker_is_audited() -> None:
+    # requeue, kill and pause were in the audit log with who did them; a worker started or stopped from the
+    # console was nowhere
+    launcher = StartingLauncher()
+    backend = AuditedBackend()
+    app = fake_app(backend, launcher=launcher)
+    worker = {"host": "web-1", "queues": [], "concurrency": 4, "tasks": ["qconsole.demo"], "restart_cancelled": False}
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await opened(pilot, "w", WorkersScreen)
+            await pilot.press("s")
+            await settle(pilot)
+            await pilot.press("enter")  # the form's defaults: qconsole.demo, every queue, 4 slots
+            await settle(pilot)
+            assert launcher.started == [(("qconsole.demo",), (), 4)]
+            assert backend.audited == [("worker_start", {"number": 3, "pid": 5000, **worker})]
+            await pilot.press("x", "n")  # asked, and left running: nothing to audit
+            await settle(pilot)
+            assert launcher.stopped == [] and len(backend.audited) == 1
+            await pilot.press("x", "y")
+            await settle(pilot)
+            assert launcher.stopped == [3]
+            assert backend.audited[1:] == [("worker_stop", {"number": 3, "pid": 5000, **worker})]
+            # a crashed worker's restart cancelled is a stop too
+            app.screen.query_one(LiveTable).select_key("emb:2")
+            await pilot.press("x", "y")
+            await settle(pilot)
+            assert launcher.stopped == [3, 2]
+            assert backend.audited[2:] == [("worker_stop", {
+                "number": 2, "pid": 4188, "host": "web-1", "queues": ["media"], "concurrency": 2,
+                "tasks": ["qconsole.demo"], "restart_cancelled": True})]  # fmt: skip
+            assert "audit" not in notes(app)  # written: nothing more to say
+
+    run_async(scenario())
+
+
+@pytest.mark.parametrize(
+    "lost, said",
+    [
+        (ActionLost(psycopg.OperationalError("connection refused"), committed=False), "not in the audit log"),
+        (psycopg.errors.InsufficientPrivilege("permission denied for table audit_log"), "not in the audit log"),
+        (ActionLost(psycopg.OperationalError("server closed the connection"), committed=None), "check the audit log"),
+    ],
+    ids=["database-down", "refused", "connection-lost"],
+)
+def test_a_worker_starts_and_stops_though_its_audit_entry_cannot_be_written(lost: BaseException, said: str) -> None:
+    launcher = StartingLauncher()
+    app = fake_app(AuditedBackend(fail=lost), launcher=launcher)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await opened(pilot, "w", WorkersScreen)
+            await pilot.press("s")
+            await settle(pilot)
+            await pilot.press("enter")
+            await settle(pilot)
+            assert len(launcher.started) == 1
+            await until(pilot, lambda: "#3 (pid 5000) started" in notes(app), what="the failed audit said")
+            start_note = next(n for n in app._notifications if "started, but" in n.message)
+            assert said in start_note.message and start_note.severity == "error"
+            await pilot.press("x", "y")
+            await settle(pilot)
+            assert launcher.stopped == [3]
+            await until(pilot, lambda: "#3 (pid 5000) is stopping, but" in notes(app), what="the failed audit said")
+            assert said in notes(app).split("is stopping, but")[1]
 
     run_async(scenario())
 
