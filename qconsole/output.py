@@ -23,6 +23,7 @@ from worker_core.models import (
     WorkerInfo,
     to_jsonable,
 )
+from worker_core.ops import WORKER_ACTIONS
 
 #: piped output is for scripts and logs: never squeeze it to 80 columns
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
@@ -195,12 +196,40 @@ def audit(rows: list[AuditEntry], as_json: bool) -> None:
 
 
 def _audit_target(a: AuditEntry) -> str:
-    """What an action was on: a limit's type, scope and number (they are in its detail), a queue, the jobs."""
+    """What an action was on: a limit's type, scope and number (they are in its detail), an embedded worker and
+    what it ran (there is no detail column), a queue, the jobs."""
     detail = a.detail or {}
+    if is_worker_entry(a):
+        return f"{worker_target(a)}: {worker_detail(a)}"
     if a.action in ("limit", "unlimit") and detail.get("job_type"):
         scope = f"{detail['job_type']}@{detail.get('queue', '*')}"
         return f"{scope}={detail['max_running']}" if "max_running" in detail else scope
     return a.queue or (f"{len(a.job_ids)} job(s)" if a.job_ids else "-")
+
+
+def is_worker_entry(a: AuditEntry) -> bool:
+    """An embedded worker the console started or stopped (ops.audit_worker)."""
+    return a.action in WORKER_ACTIONS and "number" in (a.detail or {})
+
+
+def worker_target(a: AuditEntry) -> str:
+    """``emb#3 pid 4121``: the worker as the console's workers screen names it, and its process."""
+    detail = a.detail or {}
+    pid = detail.get("pid")
+    return f"emb#{detail.get('number')} pid {pid if pid is not None else '-'}"
+
+
+def worker_detail(a: AuditEntry) -> str:
+    """``queues=billing,mail concurrency=4 tasks=myapp.tasks host=web-1`` (``queues=*``: every queue, as the
+    workers screen says), after ``restart cancelled`` for a stop that cancelled a crashed worker's restart."""
+    detail = a.detail or {}
+    parts = ["restart cancelled"] if detail.get("restart_cancelled") else []
+    parts.append(f"queues={','.join(map(str, detail.get('queues') or [])) or '*'}")
+    parts.append(f"concurrency={detail.get('concurrency', '-')}")
+    parts.append(f"tasks={','.join(map(str, detail.get('tasks') or [])) or '-'}")
+    if detail.get("host"):
+        parts.append(f"host={detail['host']}")
+    return " ".join(parts)
 
 
 def action(result: ActionResult, queue: str | None = None) -> None:

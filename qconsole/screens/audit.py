@@ -10,6 +10,7 @@ from textual.app import ComposeResult
 from textual.widgets import DataTable, Static
 
 from qconsole.backend import ConsoleBackend
+from qconsole.output import is_worker_entry, worker_detail, worker_target
 from qconsole.screens.base import ConsoleScreen
 from qconsole.widgets import fmt
 from qconsole.widgets.table import LiveTable, cell
@@ -37,7 +38,10 @@ def _is_limit(e: AuditEntry) -> bool:
 
 
 def target(e: AuditEntry) -> str:
-    # a limit touches no job: its target is its type (and queue), which read "0 job(s)"
+    # a limit touches no job: its target is its type (and queue), which read "0 job(s)"; so is a worker's start or
+    # stop, whose target is the worker
+    if is_worker_entry(e):
+        return worker_target(e)
     if _is_limit(e):
         scope = e.detail.get("queue") or "*"
         return f"type {e.detail['job_type']}" + ("" if scope == "*" else f" @{scope}")
@@ -48,7 +52,10 @@ def target(e: AuditEntry) -> str:
 
 def detail(e: AuditEntry) -> str:
     hidden = HIDDEN | ({"job_type", "queue"} if _is_limit(e) else set())
-    parts = [f"{k}={v}" for k, v in sorted(e.detail.items()) if k != "payload" and k not in hidden]
+    if is_worker_entry(e):  # what it runs, in the order read: its number and pid are its target
+        parts = [worker_detail(e)]
+    else:
+        parts = [f"{k}={v}" for k, v in sorted(e.detail.items()) if k != "payload" and k not in hidden]
     if "payload" in e.detail:
         parts.append("payload replaced")
     if e.reason:

@@ -19,7 +19,7 @@ from psycopg.conninfo import conninfo_to_dict
 from typer.testing import CliRunner
 
 from qconsole.cli import app
-from worker_core import db, stats
+from worker_core import db, ops, stats
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -446,6 +446,22 @@ def test_the_audit_table_says_what_a_limit_was_on(cli: Any) -> None:
     cli("limit", "t.ok", "--clear", "--reason", "INC-42 over")
     out = cli("audit").stdout
     assert "t.ok@*=0" in out and "t.ok@*" in out.replace("t.ok@*=0", "")
+
+
+def test_the_audit_table_says_which_embedded_worker_was_started_or_stopped(cli: Any, conn: db.Conn) -> None:
+    # the console's worker_start and worker_stop printed "-": the worker, its queues and task modules were in
+    # --json only
+    alice = ops.Actor("alice")
+    ops.audit_worker(conn, "worker_start", number=3, pid=4121, host="web-1", queues=["billing", "mail"],
+                     concurrency=4, tasks=["myapp.tasks"], actor=alice)  # fmt: skip
+    ops.audit_worker(conn, "worker_stop", number=2, pid=4188, host="web-1", queues=[], concurrency=2,
+                     tasks=["myapp.tasks", "myapp.more"], restart_cancelled=True, actor=alice)  # fmt: skip
+    stop, start = cli("audit").stdout.splitlines()[1:]
+    assert "worker_start" in start and "emb#3 pid 4121: queues=billing,mail concurrency=4 tasks=myapp.tasks" in start
+    assert "worker_stop" in stop and "emb#2 pid 4188: restart cancelled queues=* concurrency=2" in stop
+    assert "tasks=myapp.tasks,myapp.more host=web-1" in stop
+    entries = json.loads(cli("audit", "--json").stdout)
+    assert [(e["action"], e["detail"]["number"]) for e in entries] == [("worker_stop", 2), ("worker_start", 3)]
 
 
 def test_enqueue_of_a_type_no_worker_registered_says_whose_defaults_apply(cli: Any) -> None:

@@ -30,6 +30,7 @@ import tests.worker_core.tasks
 from qconsole.app import QConsoleApp, make_app
 from qconsole.backend import DatabaseBackend
 from qconsole.embedded_workers import EmbeddedWorkers
+from qconsole.screens.audit import AuditScreen
 from qconsole.screens.confirm import ConfirmScreen
 from qconsole.screens.dead_letters import DeadLettersScreen
 from qconsole.screens.job_detail import JobDetailScreen
@@ -1147,6 +1148,8 @@ def test_an_embedded_worker_started_and_stopped_from_the_console_is_in_the_audit
     dsn: str, conn: db.Conn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # requeue, kill and pause were audited with who did them; a worker started or stopped from the console was not
+    from qconsole.widgets.table import LiveTable
+
     monkeypatch.setenv("SSH_CLIENT", "203.0.113.9 40000 22")
     launcher = EmbeddedWorkers(dsn, command=[sys.executable, "-c", IDLE_WORKER], log_dir=tmp_path)
     app = console(dsn, launcher=launcher, default_tasks=(TASKS,), default_concurrency=3)
@@ -1170,6 +1173,16 @@ def test_an_embedded_worker_started_and_stopped_from_the_console_is_in_the_audit
             await until(pilot, lambda: not w.running, what="the worker to stop")
             await until(pilot, lambda: actions() == ["worker_stop", "worker_start"], what="the stop's audit entry")
             assert w.exit_code == 0 and "audit" not in notes(app)
+            # the audit screen says which worker, and what it ran: it read "0 job(s)", and its detail was Python lists
+            audit = await opened(pilot, "a", AuditScreen)
+            table = audit.query_one(LiveTable)
+            rows = [[str(c).strip() for c in table.get_row_at(i)] for i in range(table.row_count)]
+            target = f"emb#1 pid {w.pid}"
+            assert [r[2:4] for r in rows] == [["worker_stop", target], ["worker_start", target]]
+            assert all(r[4].startswith("queues=billing,mail") for r in rows), rows  # clipped at 80 columns
+            pane = str(audit.query_one("#audit-detail", Static).content)
+            assert "worker_stop by " in pane and "from 203.0.113.9" in pane
+            assert f"{target} │ queues=billing,mail concurrency=3 tasks={TASKS} host={w.host}" in pane, pane
 
     try:
         run_async(scenario())
