@@ -315,6 +315,10 @@ class FakeBackend:
         self.calls.append(("set_paused", (queue, paused)))
         return ActionResult("pause" if paused else "resume", 1, [], [], audit_id=5)
 
+    def audit_worker(self, action: str, **detail: Any) -> ActionResult:
+        self.calls.append(("audit_worker", (action, detail)))
+        return ActionResult(action, 0, [], [], audit_id=6)
+
     def abort_actions(self) -> None:
         self.calls.append(("abort_actions", None))
 
