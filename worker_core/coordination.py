@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import threading
@@ -154,7 +155,7 @@ def single_flight(
 async def asingle_flight(
     key: str,
     ttl: float,
-    refill: Callable[[], Awaitable[T]],
+    refill: Callable[[], Awaitable[T] | T],
     *,
     dsn: str | None = None,
     wait: float = 30.0,
@@ -162,8 +163,11 @@ async def asingle_flight(
     poll: float = 0.05,
     clock: Clock = SYSTEM_CLOCK,
 ) -> T:
-    """``single_flight`` for async handlers: the refill is awaited; waiting never blocks the loop. The lease
-    is extended while the refill runs, and released if the caller is cancelled while taking it."""
+    """``single_flight`` for async handlers: the refill's result is awaited when it is awaitable (a coroutine
+    function, or a plain function returning a coroutine); a plain function's value is taken as it is, and the
+    function runs on the loop (a slow one blocks it: pass ``lambda: asyncio.to_thread(fetch)``). Waiting never
+    blocks the loop. The lease is extended while the refill runs, and released if the caller is cancelled
+    while taking it."""
     target = db.resolve_dsn(dsn)
     c = await db.aconnect(target, application_name="worker_core-single-flight", autocommit=True)
     deadline = time.monotonic() + wait
@@ -204,7 +208,7 @@ async def asingle_flight(
                         return value
                     keeper = asyncio.ensure_future(keep(token))
                     try:
-                        stored = _storable(key, await refill())
+                        stored = _storable(key, await _value_of(refill()))
                     finally:
                         keeper.cancel()
                         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -221,6 +225,14 @@ async def asingle_flight(
             await asyncio.sleep(poll)
     finally:
         await c.close()
+
+
+async def _value_of(result: Awaitable[T] | T) -> T:
+    """A refill's value: awaited if it is awaitable. ``lambda: {...}`` failed every attempt with "object dict
+    can't be used in 'await' expression", retried until dead-lettered."""
+    if inspect.isawaitable(result):
+        return await result
+    return result
 
 
 async def _release_elsewhere(dsn: str, name: str, token: str) -> None:

@@ -165,6 +165,27 @@ def test_an_async_caller_cancelled_while_taking_the_lease_does_not_keep_it(dsn: 
         assert scalar_in(look, "SELECT count(*) FROM resource_locks WHERE lock_key = 'single-flight:acancel'") == 0
 
 
+def test_asingle_flight_takes_a_plain_function_as_its_refill_as_well_as_a_coroutine(dsn: str) -> None:
+    # `asingle_flight(key, ttl, lambda: {...})` in an async handler failed every attempt with "object dict can't
+    # be used in 'await' expression", retried until dead-lettered
+    import asyncio
+
+    from worker_core.coordination import asingle_flight
+
+    async def fetched() -> dict[str, int]:
+        return {"rate": 3}
+
+    async def scenario() -> list[Any]:
+        return [
+            await asingle_flight("plain", 60, lambda: {"rate": 1}, dsn=dsn),
+            await asingle_flight("plain", 60, lambda: {"rate": 2}, dsn=dsn),  # cached: not refilled
+            await asingle_flight("coroutine", 60, fetched, dsn=dsn),
+            await asingle_flight("returns-a-coroutine", 60, lambda: fetched(), dsn=dsn),
+        ]
+
+    assert asyncio.run(scenario()) == [{"rate": 1}, {"rate": 1}, {"rate": 3}, {"rate": 3}]
+
+
 def test_versioned_update_takes_any_column_name_and_refuses_what_no_retry_fixes(dsn: str, conn: db.Conn) -> None:
     import asyncio
 
