@@ -230,7 +230,10 @@ class OverviewScreen(ConsoleScreen):
             ("anomalies", t.anomalies),
             ("lease exp", t.lease_expirations),
             ("lock waits", t.lock_contention),
-            ("dedup", t.dedup_hits + t.idempotency_hits),
+            # apart, as `qconsole stats --json` has them: an enqueue collapsed into a live job, and a job settled
+            # by its idempotency key without running its handler ("dedup" counted both)
+            ("dedup hits", t.dedup_hits),
+            ("idempotency hits", t.idempotency_hits),
         ]
         parts.extend((f"{name} {n}", "") for name, n in optional if n)  # a zero says nothing: left out
         room = width - line.cell_len

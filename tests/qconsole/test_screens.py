@@ -767,6 +767,29 @@ def test_the_overviews_detail_line_puts_its_warnings_first_and_is_never_cut(size
     run_async(scenario())
 
 
+def test_the_overviews_detail_line_tells_dedup_hits_from_idempotency_hits() -> None:
+    # "dedup 6" added a producer's dedup hits (4) to the jobs settled by their idempotency key (2), where
+    # `qconsole stats --json` has them apart
+    from qconsole.screens.overview import OverviewScreen
+    from tests.qconsole.test_pilot import screen_text
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=(120, 36)) as pilot:
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            table = screen.query_one(LiveTable)
+            table.move_cursor(row=table.get_row_index("default\x1finvoice.generate"))
+            await settle(pilot)
+            [line] = [x for x in screen_text(app).splitlines() if "invoice.generate @ default" in x]
+            fields = [f.strip() for f in line.split("│")]
+            assert "dedup hits 4" in fields and "idempotency hits 2" in fields, line
+
+    run_async(scenario())
+
+
 class LookAlikeGroups(FakeBackend):
     def dead_letter_groups(self) -> Any:
         def group(country: str, n: int) -> DeadLetterGroup:
