@@ -299,6 +299,8 @@ def console(
     ] = None,
 ) -> None:
     """Open the incident console (with no subcommand)."""
+    if theme is not None:
+        _check_theme(theme)
     timeout_s = None
     if statement_timeout is not None:
         try:
@@ -314,6 +316,16 @@ def console(
 
     _schema_ready_for_console(dsn, read_only)
     raise typer.Exit(run_console(dsn, read_only, refresh, theme))
+
+
+def _check_theme(theme: str) -> None:
+    """A theme Textual does not have is bad input (exit 2), said before connecting, a subcommand's run too: the
+    console opened in its default theme, with a notice seen once it was open, and `qconsole --theme x stats`
+    ran as if it were fine."""
+    from textual.theme import BUILTIN_THEMES
+
+    if theme not in BUILTIN_THEMES:
+        fail(f"unknown theme {theme!r}: one of {', '.join(sorted(BUILTIN_THEMES))}", 2)
 
 
 def _schema_ready_for_console(dsn: str | None, read_only: bool) -> None:

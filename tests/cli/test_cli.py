@@ -352,6 +352,17 @@ def test_dsn_and_read_only_given_before_the_subcommand_hold_for_it(
     cli("jobs", code=3)  # the option held for that run only: here $QCONSOLE_DSN again
 
 
+@pytest.mark.parametrize("args", [[], ["stats"]], ids=["console", "subcommand"])
+def test_an_unknown_theme_is_bad_input_said_before_connecting(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
+    # `qconsole --theme no-such-theme` was ignored: the console opened (its notice said it only once open), and
+    # a subcommand ran, exit 0. A database that cannot be reached: the theme is refused first
+    monkeypatch.setenv("QCONSOLE_DSN", "postgresql://app:Secr3t%PW@127.0.0.1/db")
+    result = CliRunner().invoke(app, ["--theme", "no-such-theme", *args])
+    assert result.exit_code == 2, result.output
+    assert "unknown theme 'no-such-theme'" in result.output and "textual-dark" in result.output, result.output
+    assert "cannot connect" not in result.output
+
+
 def test_clearing_a_limit_that_does_not_exist_is_an_error_not_a_silent_success(cli: Any, conn: db.Conn) -> None:
     cli("enqueue", "t.ok")
     cli("limit", "t.ok", "0", "--reason", "incident")
