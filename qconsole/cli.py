@@ -249,6 +249,7 @@ def _import_tasks(modules: Sequence[str]) -> None:
     says it started, for a configuration refusal: not restarted."""
     from worker_core.registry import import_task_modules
 
+    _load_policy()  # its errors are the policy file's, not an @task's that happens to read it first
     try:
         import_task_modules(modules)
     except ImportError as e:
@@ -257,6 +258,18 @@ def _import_tasks(modules: Sequence[str]) -> None:
         fail(f"a task module's @task is refused: {e}", 2)
     except Exception as e:  # a SyntaxError, a KeyError of a setting it reads at import...: a traceback, exit 1
         fail(f"cannot import task module {_failing_module(e, modules)}: {type(e).__name__}: {e}", 2)
+
+
+def _load_policy() -> None:
+    """The deployment's policy (worker_core.policy), or exit 2 naming the file and the table (or the variable)
+    with the value it refuses. Loaded by the first @task imported, a bad value in it was said as "a task
+    module's @task is refused"."""
+    from worker_core import policy
+
+    try:
+        policy.current()
+    except policy.PolicyError as e:
+        fail(f"the deployment's policy is refused: {e}", 2)
 
 
 def _failing_module(error: BaseException, modules: Sequence[str]) -> str:
@@ -1025,10 +1038,8 @@ def policies(
     from worker_core import policy
     from worker_core.registry import registry
 
-    try:
-        deployment = policy.current()
-    except policy.PolicyError as e:
-        fail(str(e), 2)
+    _load_policy()
+    deployment = policy.current()
     if tasks:
         _import_tasks(tasks.split(","))  # exit 2 for a module that does not import, or an @task refused
     queues = {q: {"values": layer.values, "reason": layer.reason} for q, layer in deployment.queues.items()}

@@ -122,12 +122,19 @@ def _values(table: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {k: _coerce(k, v, where) for k, v in table.items() if k != "reason"}
 
 
-def from_mapping(data: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None) -> DeploymentPolicy:
+def from_mapping(
+    data: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None, *, tables: str = ""
+) -> DeploymentPolicy:
+    """The deployment's policy from a policy file's tables. ``tables``: where they sit in the file, as its
+    errors name them (``tool.qconsole.`` in pyproject.toml: "[defaults]" named a table it does not have)."""
     unknown = sorted(set(data) - {"defaults", "queues"})
     if unknown:
-        raise PolicyError(f"{source}: unknown sections {', '.join(unknown)} (expected defaults, queues)")
+        raise PolicyError(
+            f"{source}: unknown tables {', '.join(f'[{tables}{name}]' for name in unknown)} (expected"
+            f" [{tables}defaults] and [{tables}queues.<name>])"
+        )
     defaults = dict(BUILTIN)
-    defaults.update(_values(data.get("defaults", {}), f"{source} [defaults]"))
+    defaults.update(_values(data.get("defaults", {}), f"{source} [{tables}defaults]"))
     env = os.environ if environ is None else environ
     for name in FIELDS:
         raw = env.get(f"QCONSOLE_{name.upper()}")
@@ -135,7 +142,7 @@ def from_mapping(data: Mapping[str, Any], source: str, environ: Mapping[str, str
             defaults[name] = _coerce(name, raw, f"${'QCONSOLE_' + name.upper()}")
     queues = {}
     for qname, table in (data.get("queues") or {}).items():
-        where = f"{source} [queues.{qname}]"
+        where = f"{source} [{tables}queues.{qname}]"
         reason = str(table.get("reason") or "").strip()
         values = _values(table, where)
         if values and not reason:
@@ -181,7 +188,7 @@ def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> 
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise PolicyError(f"cannot read the policy file {path}: {e}") from e
     if kind == "pyproject" or path.name == "pyproject.toml":
-        data = data.get("tool", {}).get("qconsole", {})
+        return from_mapping(data.get("tool", {}).get("qconsole", {}), str(path), environ, tables="tool.qconsole.")
     return from_mapping(data, str(path), environ)
 
 

@@ -570,6 +570,25 @@ def test_a_task_module_whose_task_the_policy_refuses_is_bad_input(
         assert "@task is refused" in out and "without a reason" in out
 
 
+def test_a_bad_policy_file_is_named_with_its_table_not_blamed_on_an_at_task(
+    cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # worker and enqueue --tasks said "a task module's @task is refused: .../pyproject.toml [defaults]: ...":
+    # no @task was wrong, and pyproject.toml has no table [defaults]
+    (tmp_path / "pyproject.toml").write_text("[tool.qconsole.defaults]\nmax_attempts = 2.9\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QCONSOLE_POLICY_FILE")
+    said = f"{tmp_path / 'pyproject.toml'} [tool.qconsole.defaults]: max_attempts must be an integer, not 2.9"
+    for args in (
+        ("worker", "--tasks", "tests.worker_core.tasks", "--burst"),
+        ("enqueue", "t.ok", "--tasks", "tests.worker_core.tasks"),
+        ("policies", "--tasks", "tests.worker_core.tasks"),
+        ("policies",),
+    ):
+        out = cli(*args, code=2).output
+        assert f"the deployment's policy is refused: {said}" in out and "@task" not in out, out
+
+
 REFUSED_TASKS = {
     "bad_type_tasks": ('@worker_core.task("Invoice.Generate")\ndef f(ctx, p): pass\n', "must match"),
     "zero_concurrency_tasks": ('@worker_core.task("x.conc", concurrency=0)\ndef f(ctx, p): pass\n', "concurrency"),

@@ -95,6 +95,21 @@ def test_a_policy_value_of_the_wrong_type_is_refused_not_converted(tmp_path: Pat
     assert from_env.defaults.values["max_attempts"] == 8
 
 
+def test_a_pyproject_policy_error_names_its_tables_as_written_there(tmp_path: Path) -> None:
+    # `[defaults]` was named for a value under [tool.qconsole.defaults]: no such table in pyproject.toml
+    path = tmp_path / "pyproject.toml"
+    path.write_text("[tool.qconsole.defaults]\nmax_attempts = 2.9\n")
+    error = "max_attempts must be an integer, not 2.9"
+    with pytest.raises(PolicyError, match=f"^{re.escape(f'{path} [tool.qconsole.defaults]: {error}')}$"):
+        policy.load(path, environ={})
+    path.write_text("[tool.qconsole.queues.mail]\nmax_attempts = 3\n")
+    with pytest.raises(PolicyError, match=re.escape(f"{path} [tool.qconsole.queues.mail] overrides max_attempts")):
+        policy.load(path, environ={})
+    path.write_text("[tool.qconsole.default]\nmax_attempts = 3\n")
+    with pytest.raises(PolicyError, match=re.escape(f"{path}: unknown tables [tool.qconsole.default] (expected")):
+        policy.load(path, environ={})
+
+
 def test_effective_contract_says_where_each_value_comes_from(deployment: policy.DeploymentPolicy) -> None:
     plain = Task("x.plain", handler, queue="default")
     eff = plain.effective()
