@@ -185,8 +185,7 @@ def guarded(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except EnvelopeError as e:
-        lines = "\n".join(f"  - {p}" for p in e.problems)
-        fail(f"invalid job envelope, nothing was written:\n{lines}", 2)
+        _envelope_refused(e.problems)
     except (ValueError, typer.BadParameter) as e:
         fail(str(e), 2)
     except NotFound as e:
@@ -283,13 +282,21 @@ def _failing_module(error: BaseException, modules: Sequence[str]) -> str:
 
 
 def parse_json_object(text: str, what: str) -> dict[str, Any]:
+    value, problem = _json_object(text, what)
+    if value is None:
+        fail(problem, 2)
+    return value
+
+
+def _json_object(text: str, what: str) -> tuple[dict[str, Any] | None, str]:
+    """The JSON object ``text`` holds, or None and what is wrong with it."""
     try:
         value = json.loads(text)
     except (ValueError, RecursionError) as e:  # ValueError: a decode error, or an integer of 4,300+ digits
-        fail(f"{what} is not valid JSON: {str(e) if isinstance(e, ValueError) else 'nested too deep'}", 2)
+        return None, f"{what} is not valid JSON: {str(e) if isinstance(e, ValueError) else 'nested too deep'}"
     if not isinstance(value, dict):
-        fail(f"{what} must be a JSON object, not {type(value).__name__}", 2)
-    return value
+        return None, f"{what} must be a JSON object, not {type(value).__name__}"
+    return value, ""
 
 
 # ------------------------------------------------------------------------------------------------ console
@@ -521,7 +528,17 @@ def enqueue(
     """Enqueue one job; prints its id, or `duplicate of <id>` when a live job holds the dedup key."""
     from worker_core.producer import enqueue as enqueue_job
 
-    body = parse_json_object(payload, "--payload")
+    # what the flags' own parsing refuses is listed with what the envelope's validation refuses of the rest: a
+    # bad --payload or --scheduled-at exited at once, and hid a --max-attempts 0 given beside it
+    problems: list[str] = []
+    body, problem = _json_object(payload, "--payload")
+    problems += [problem] if body is None else []
+    at, problem = _parse_scheduled_at(scheduled_at) if scheduled_at is not None else (None, "")
+    problems += [problem] if problem else []
+    if problem and delay:  # said by the validation of a time it could read
+        problems.append("give --scheduled-at or --delay, not both")
+    policy_json, problem = _json_object(retry_policy, "--retry-policy") if retry_policy else (None, "")
+    problems += [problem] if problem else []
     given = {
         "queue": queue,
         "idempotency_key": idempotency_key,
@@ -529,11 +546,11 @@ def enqueue(
         "lock_key": lock_key,
         "priority": priority,
         "delay_seconds": delay,
-        "scheduled_at": _parse_scheduled_at(scheduled_at) if scheduled_at is not None else None,
+        "scheduled_at": at,
         "max_attempts": max_attempts,
         "timeout_seconds": timeout,
         "visibility_timeout_seconds": visibility_timeout,
-        "retry_policy": parse_json_object(retry_policy, "--retry-policy") if retry_policy else None,
+        "retry_policy": policy_json,
         "tenant_id": tenant,
         "trace_id": trace_id,
     }
@@ -543,23 +560,50 @@ def enqueue(
     # validated by enqueue_job, under the contract the type's workers registered (read from the database),
     # before it writes anything: checked here before connecting, the envelope was judged under the
     # deployment's defaults, and a valid one refused (a lease shorter than the default timeout, say)
-    with connect(dsn) as conn:
-        guarded(lambda: _warn_if_unregistered(conn, job_type, queue))  # a database error there: its exit code
-        with _without_producer_warnings():  # said above, in the CLI's words (--tasks)
-            result = guarded(lambda: enqueue_job(conn, job_type, body, **envelope))
+    try:
+        with connect(dsn) as conn:
+            guarded(lambda: _warn_if_unregistered(conn, job_type, queue))  # a database error there: its exit code
+            with _without_producer_warnings():  # said above, in the CLI's words (--tasks)
+                if problems:
+                    _envelope_refused(problems + guarded(lambda: _envelope_problems(conn, job_type, body, envelope)))
+                result = guarded(lambda: enqueue_job(conn, job_type, body, **envelope))
+    except typer.Exit as e:
+        if problems and e.exit_code == 3:  # the database said why above: bad input all the same, exit 2
+            _envelope_refused(problems, "the other fields were not checked: they are judged under the type's"
+                                        " contract, which is read from the database")  # fmt: skip
+        raise
     typer.echo(str(result.id) if result.created else f"duplicate of {result.id}")
 
 
-def _parse_scheduled_at(text: str) -> dt.datetime:
+def _envelope_problems(
+    conn: db.Conn, job_type: str, payload: dict[str, Any] | None, envelope: dict[str, Any]
+) -> list[str]:
+    """What the validation refuses of an envelope, as enqueue judges it, writing nothing (a payload the flag
+    could not read left out: its own problem is said)."""
+    from worker_core.producer import prepare, registered_defaults
+
+    try:
+        prepare(job_type, payload or {}, envelope, registered=registered_defaults(conn, [job_type]))
+    except EnvelopeError as e:
+        return e.problems
+    return []
+
+
+def _envelope_refused(problems: Sequence[str], note: str = "") -> NoReturn:
+    lines = "\n".join(f"  - {p}" for p in problems)
+    fail(f"invalid job envelope, nothing was written:\n{lines}" + (f"\n  ({note})" if note else ""), 2)
+
+
+def _parse_scheduled_at(text: str) -> tuple[dt.datetime | None, str]:
     """--scheduled-at: an ISO 8601 time with its zone (a bare local time would be read in this host's zone,
-    which a runbook run from another host would get wrong): bad input, exit 2, otherwise."""
+    which a runbook run from another host would get wrong), or None and what is wrong with it (bad input)."""
     try:
         at = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
-        fail(f"--scheduled-at: {text!r} is not an ISO 8601 time (2026-12-01T02:00:00Z)", 2)
+        return None, f"--scheduled-at: {text!r} is not an ISO 8601 time (2026-12-01T02:00:00Z)"
     if at.tzinfo is None:
-        fail(f"--scheduled-at: {text!r} has no time zone: add Z (UTC) or an offset such as +01:00", 2)
-    return at
+        return None, f"--scheduled-at: {text!r} has no time zone: add Z (UTC) or an offset such as +01:00"
+    return at, ""
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from typing import Any
 
 from worker_core.errors import EnvelopeError
 from worker_core.retry import DEFAULT_RETRY_POLICY, RetryPolicy
+from worker_core.retry import FIELDS as RETRY_FIELDS
 
 # \Z, not $: Python's $ also matches before a trailing newline, which PostgreSQL's CHECK then refuses
 JOB_TYPE_RE = re.compile(r"^[a-z0-9_.-]+\Z")
@@ -247,6 +248,7 @@ def build_envelope(
         priority = 0
 
     scheduled_at = fields.get("scheduled_at")
+    scheduled_given = scheduled_at is not None  # a bad one too: "not both" is said beside its own problem
     if scheduled_at is not None and (not isinstance(scheduled_at, dt.datetime) or scheduled_at.tzinfo is None):
         problems.append("scheduled_at must be a timezone-aware datetime")
         scheduled_at = None
@@ -265,7 +267,7 @@ def build_envelope(
         problems.append("delay_seconds must not be negative")
     elif delay is not None and delay > MAX_DELAY_SECONDS:
         problems.append(f"delay_seconds must be at most {MAX_DELAY_SECONDS:g}")
-    if scheduled_at is not None and fields.get("delay_seconds"):
+    if scheduled_given and fields.get("delay_seconds"):
         problems.append("give scheduled_at or delay_seconds, not both")
 
     max_attempts = fields.get("max_attempts", d.max_attempts)
@@ -297,6 +299,10 @@ def build_envelope(
         if visibility is not None and visibility > max_visibility:
             problems.append(f"visibility_timeout_seconds must be at most {max_visibility:g}")
             visibility = None
+        elif visibility is not None and visibility <= 0:
+            # said on its own: beside a timeout refused too, the comparison below cannot say it
+            problems.append("visibility_timeout_seconds must be > 0")
+            visibility = None
     if timeout is not None and visibility is not None and visibility <= timeout + VISIBILITY_BUFFER_SECONDS:
         problems.append(
             f"visibility_timeout_seconds ({visibility:g}) must exceed timeout_seconds ({timeout:g}) "
@@ -308,11 +314,19 @@ def build_envelope(
     if isinstance(raw_policy, RetryPolicy):
         # the fields it names, over the type's: RetryPolicy(base_seconds=5) keeps the type's backoff
         policy = RetryPolicy(**{**d.retry_policy.to_json(), **raw_policy.overrides()})
+    elif isinstance(raw_policy, Mapping):
+        # unknown fields said beside the known ones' problems (RetryPolicy.from_json stops at them)
+        unknown = sorted(map(str, set(raw_policy) - set(RETRY_FIELDS)))
+        if unknown:
+            problems.append(f"unknown retry policy fields: {', '.join(unknown)}")
+        known = {k: v for k, v in raw_policy.items() if k in RETRY_FIELDS}
+        try:
+            policy = RetryPolicy.from_json({**d.retry_policy.to_json(), **known})
+        except (ValueError, TypeError) as e:
+            problems.append(str(e))
     elif raw_policy is not None:
         try:
-            policy = RetryPolicy.from_json(
-                {**d.retry_policy.to_json(), **raw_policy} if isinstance(raw_policy, Mapping) else raw_policy
-            )
+            policy = RetryPolicy.from_json(raw_policy)
         except (ValueError, TypeError) as e:
             problems.append(str(e))
 

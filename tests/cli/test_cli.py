@@ -103,6 +103,43 @@ def test_bad_envelopes_exit_2_and_write_nothing(cli: Any, conn: db.Conn, args: l
     assert count_jobs(conn) == 0
 
 
+@pytest.mark.parametrize(
+    ("args", "problems"),
+    [
+        (["--payload", "[1]", "--max-attempts", "0"], ["--payload must be a JSON object", "max_attempts"]),
+        (["--payload", "{oops", "--timeout", "0"], ["--payload is not valid JSON", "timeout_seconds must be > 0"]),
+        (["--scheduled-at", "2026-12-01T02:00:00", "--max-attempts", "0"], ["has no time zone", "max_attempts"]),
+        (["--scheduled-at", "tomorrow", "--delay", "5"], ["not an ISO 8601 time", "not both"]),
+        (["--retry-policy", "[]", "--priority", "5000"], ["--retry-policy must be a JSON object", "priority"]),
+        (["--visibility-timeout=-5", "--timeout=0"], ["timeout_seconds must be > 0", "visibility_timeout_seconds"]),
+    ],
+    ids=["payload-not-object", "payload-not-json", "time-without-zone", "bad-time-and-delay", "retry-policy", "lease"],
+)  # fmt: skip
+def test_a_bad_envelope_lists_every_problem_at_once(
+    cli: Any, conn: db.Conn, args: list[str], problems: list[str]
+) -> None:
+    # a bad --payload or --scheduled-at exited at once and hid a --max-attempts 0 beside it; a refused timeout hid
+    # a negative lease
+    out = cli("enqueue", "t.ok", *args, code=2).output
+    listed = [line[4:] for line in out.splitlines() if line.startswith("  - ")]
+    assert len(listed) == len(problems), out
+    for problem, line in zip(problems, listed, strict=True):
+        assert problem in line, out
+    assert count_jobs(conn) == 0
+
+
+def test_a_bad_envelope_is_bad_input_with_the_database_out_of_reach(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the rest of the envelope is judged under the type's registered contract, in the database: unreachable,
+    # the problems the flags show are still said, exit 2 (a script does not retry bad input as an outage)
+    monkeypatch.setenv("QCONSOLE_DSN", "postgresql://nobody@127.0.0.1:1/nowhere?connect_timeout=2")
+    result = CliRunner().invoke(app, ["enqueue", "t.ok", "--payload", "[1]", "--max-attempts", "0"])
+    assert result.exit_code == 2, result.output
+    assert "cannot connect" in result.output and "--payload must be a JSON object" in result.output
+    assert "the other fields were not checked" in result.output
+    plain = CliRunner().invoke(app, ["enqueue", "t.ok", "--max-attempts", "0"])
+    assert plain.exit_code == 3 and "cannot connect" in plain.output, plain.output  # judged in the database alone
+
+
 def test_reading_commands(cli: Any, conn: db.Conn) -> None:
     jid = cli("enqueue", "t.ok", "--payload", '{"n": 1}', "--queue", "q1").stdout.strip()
     cli("enqueue", "t.other", "--queue", "q2")

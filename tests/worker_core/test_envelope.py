@@ -79,6 +79,7 @@ BAD: list[tuple[str, Any, Any, dict[str, Any], str]] = [
     ("visibility-at-buffer", "t.ok", {}, {"timeout_seconds": 10, "visibility_timeout_seconds": 15}, "plus a buffer"),
     ("visibility-below", "t.ok", {}, {"timeout_seconds": 60, "visibility_timeout_seconds": 30}, "must exceed"),
     ("visibility-nan", "t.ok", {}, {"visibility_timeout_seconds": math.nan}, "finite number"),
+    ("visibility-negative", "t.ok", {}, {"visibility_timeout_seconds": -5}, "visibility_timeout_seconds must be > 0"),
     ("visibility-huge", "t.ok", {}, {"visibility_timeout_seconds": 1e13}, "visibility_timeout_seconds must be at"),
     ("timeout-zero", "t.ok", {}, {"timeout_seconds": 0}, "timeout_seconds must be > 0"),
     ("timeout-negative", "t.ok", {}, {"timeout_seconds": -1}, "timeout_seconds must be > 0"),
@@ -146,6 +147,27 @@ def test_every_problem_is_reported_at_once(tx_conn: db.Conn) -> None:
     ):
         assert fragment in text
     assert len(err.value.problems) == 6
+    assert count(tx_conn) == 0
+
+
+# (envelope fields, what each problem must say): one problem hid another
+HIDDEN: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("bad-timeout-negative-lease", {"timeout_seconds": 0, "visibility_timeout_seconds": -5},
+     ["timeout_seconds must be > 0", "visibility_timeout_seconds must be > 0"]),
+    ("bad-time-and-delay", {"scheduled_at": dt.datetime(2030, 1, 1), "delay_seconds": 5},
+     ["timezone-aware", "not both"]),
+    ("unknown-and-bad-retry-fields", {"retry_policy": {"tries": 3, "jitter": 2}},
+     ["unknown retry policy fields: tries", "jitter must be between 0 and 1"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "messages"), [h[1:] for h in HIDDEN], ids=[h[0] for h in HIDDEN])
+def test_no_problem_of_an_envelope_hides_another(tx_conn: db.Conn, fields: dict[str, Any], messages: list[str]) -> None:
+    with pytest.raises(EnvelopeError) as err:
+        enqueue(tx_conn, "t.ok", {}, **fields)
+    assert len(err.value.problems) == len(messages), err.value.problems
+    for message, problem in zip(messages, err.value.problems, strict=True):
+        assert message in problem, err.value.problems
     assert count(tx_conn) == 0
 
 
