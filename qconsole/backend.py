@@ -43,6 +43,7 @@ from worker_core.models import (
     TypeContract,
     WorkerInfo,
 )
+from worker_core.stats import JobHolders
 
 APPLICATION_NAME = "qconsole-console"
 STATEMENT_TIMEOUT_MS = 3000
@@ -118,7 +119,9 @@ class ConsoleBackend(Protocol):
         after: Job | None = None,
     ) -> list[Job]: ...
 
-    def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]: ...
+    def get_job(self, job_id: uuid.UUID) -> tuple[Job, JobHolders]:
+        """The job, and who holds what it needs: its lock_key (whichever job), the worker of its lease."""
+        ...
 
     def dead_letter_groups(self) -> DeadLetterGroups: ...
 
@@ -534,8 +537,12 @@ class DatabaseBackend:
             )
         )
 
-    def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]:
-        return self._call(lambda c: (stats.get_job(c, job_id), stats.job_lock(c, job_id)))
+    def get_job(self, job_id: uuid.UUID) -> tuple[Job, JobHolders]:
+        def read(conn: db.Conn) -> tuple[Job, JobHolders]:
+            job = stats.get_job(conn, job_id)
+            return job, stats.job_holders(conn, job, self.clock)
+
+        return self._call(read)
 
     def dead_letter_groups(self) -> DeadLetterGroups:
         return self._call(lambda c: stats.dead_letter_groups(c, states=DEAD_LETTER_STATES))

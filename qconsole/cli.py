@@ -925,15 +925,15 @@ def jobs(
 
 @app.command()
 def job(job_id: Annotated[str, typer.Argument()], as_json: JsonOpt = False, dsn: DsnOpt = None) -> None:
-    """One job: envelope, payload and every attempt's error."""
+    """One job: envelope, payload and every attempt's error; who holds its lock key, the state of its worker."""
     try:
         uuid.UUID(job_id)
     except ValueError:
         fail(f"{job_id!r} is not a job id", 2)  # bad input, as kill and requeue say it (not found: 1)
     with connect(dsn, read_only=True) as conn:
         found = guarded(lambda: stats.get_job(conn, job_id))
-        lock = stats.job_lock(conn, found.id)
-    output.job(found, lock, as_json)
+        holders = guarded(lambda: stats.job_holders(conn, found))
+    output.job(found, holders, as_json)
 
 
 @app.command("stats")

@@ -18,12 +18,14 @@ from worker_core.models import (
     AuditEntry,
     DeadLetterGroup,
     Job,
+    JobState,
     Overview,
     TypeContract,
     WorkerInfo,
     to_jsonable,
 )
 from worker_core.ops import WORKER_ACTIONS
+from worker_core.stats import LOST_AFTER_SECONDS, JobHolders, expired_lease_fate
 
 #: piped output is for scripts and logs: never squeeze it to 80 columns
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
@@ -90,10 +92,27 @@ def _jobs_table(rows: list[Job]) -> None:
     console.print(f"{len(rows)} job(s)")
 
 
-def job(j: Job, lock: dict[str, Any] | None, as_json: bool) -> None:
+def job(j: Job, holders: JobHolders, as_json: bool) -> None:
+    """The job; who holds its lock_key (whichever job: a job waiting on its key was told it was free), and
+    the worker holding its lease in the workers screen's terms (live, lost, stopped)."""
+    now = holders.at
+    w = holders.worker
     if as_json:
         out = to_jsonable(j)
-        out["lock"] = to_jsonable(lock) if lock else None
+        out["lock"] = to_jsonable(holders.lock) if holders.lock else None  # the lease this job holds itself
+        out["lock_holder"] = to_jsonable(holders.lock_holder) if holders.lock_holder else None
+        out["lease_holder"] = None
+        if j.state is JobState.RUNNING and j.locked_by:
+            out["lease_holder"] = {
+                "worker_id": j.locked_by,
+                "state": holders.worker_state or "unknown",  # unknown: no workers row (pruned)
+                "last_heartbeat_at": to_jsonable(w.last_heartbeat_at) if w else None,
+                "stopped_at": to_jsonable(w.stopped_at) if w and w.stopped_at else None,
+                # once its lease expired: cancelled, dead_lettered or run_alone (stats.expired_lease_fate)
+                "expired_lease_next": expired_lease_fate(j, holders),
+            }
+        out["suspect"] = holders.suspect
+        out["ran_solo"] = holders.ran_solo
         print(_dumps(out))
         return
     t = Table(box=None, show_header=False, pad_edge=False)
@@ -107,8 +126,42 @@ def job(j: Job, lock: dict[str, Any] | None, as_json: bool) -> None:
         value = getattr(j, name)
         _row(t, name, ts(value) if isinstance(value, dt.datetime) else ("-" if value is None else str(value)))
     _row(t, "retry_policy", json.dumps(j.retry_policy))
-    if lock:
-        _row(t, "lock held", f"{lock['lock_key']} until {ts(lock['expires_at'])}")
+    lock = holders.lock_holder
+    if lock is not None:
+        key, left = lock["lock_key"], lock["expires_in_seconds"]
+        until = f"until {ts(lock['expires_at'])} (expires in {duration(left or 0)})"
+        said = {
+            "nobody": f"{key} not held",
+            "expired": f"{key}: its lease expired {duration(-(left or 0))} ago (free to take)",
+            "this_job": f"{key} held by this job {until}",
+            "no_job": f"{key} held by a lease of no job (a single_flight refill, another program) {until}",
+            "another_job": f"{key} held by job {lock['job_id']}"
+            + (f" ({lock['job_type']}, {lock['job_state']})" if lock["job_type"] else " (gone: pruned)")
+            + f" {until}",
+        }[lock["held_by"]]
+        _row(t, "lock", said)
+    if j.state is JobState.RUNNING and j.locked_by:
+        if w is None:
+            said = "no such worker: pruned a day after its last heartbeat"
+        elif w.stopped_at is not None:
+            said = f"stopped at {ts(w.stopped_at)}"
+        elif w.lost:
+            since = ts(w.last_heartbeat_at + dt.timedelta(seconds=LOST_AFTER_SECONDS))
+            said = f"LOST since {since} (last heartbeat {duration((now - w.last_heartbeat_at).total_seconds())} ago)"
+        else:
+            said = f"live: heartbeat {duration((now - w.last_heartbeat_at).total_seconds())} ago"
+        _row(t, "lease holder", f"{j.locked_by}: {said}")
+        fate = expired_lease_fate(j, holders)
+        if fate is not None and j.locked_until is not None:
+            _row(t, "lease", f"expired {duration((now - j.locked_until).total_seconds())} ago: " + {
+                "cancelled": "the next claim ends it: cancelled (its kill was requested)",
+                "dead_lettered": "the next claim dead-letters it without running it again (a poison pill: it ran"
+                " alone and has no attempts left)",
+                "run_alone": "only an idle worker reclaims it, and runs it alone as a suspect (claim_solo): a dead"
+                " worker's jobs are taken back one per idle worker at a time",
+            }[fate])
+    if holders.suspect and j.state in (JobState.QUEUED, JobState.RETRY_SCHEDULED):
+        _row(t, "claim", "a suspect: only an idle worker takes it, and runs it alone (claim_solo)")
     console.print(t)
     console.print("[bold]payload[/bold]")
     console.print(Text(printable(json.dumps(j.payload, indent=2, ensure_ascii=False))))

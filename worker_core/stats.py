@@ -10,6 +10,7 @@ import datetime as dt
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from psycopg import sql
@@ -159,12 +160,17 @@ def series(
     return dict(out)
 
 
+def is_lost(stopped_at: dt.datetime | None, last_heartbeat_at: dt.datetime, now: dt.datetime) -> bool:
+    """The workers screen's rule, which the job detail uses too: a worker that did not say goodbye and whose
+    heartbeat is older than LOST_AFTER_SECONDS is lost."""
+    return stopped_at is None and (now - last_heartbeat_at).total_seconds() > LOST_AFTER_SECONDS
+
+
 def workers(conn: Conn, clock: Clock = SYSTEM_CLOCK) -> list[WorkerInfo]:
     now = now_on(conn, clock)
     out = []
     for r in conn.execute(queries["workers_list"], {"since": now - dt.timedelta(minutes=10)}):
-        lost = r["stopped_at"] is None and (now - r["last_heartbeat_at"]).total_seconds() > LOST_AFTER_SECONDS
-        out.append(WorkerInfo(**r, lost=lost))
+        out.append(WorkerInfo(**r, lost=is_lost(r["stopped_at"], r["last_heartbeat_at"], now)))
     return out
 
 
@@ -184,7 +190,103 @@ def get_job(conn: Conn, job_id: uuid.UUID | str) -> Job:
 
 
 def job_lock(conn: Conn, job_id: uuid.UUID) -> dict[str, Any] | None:
+    """The lock_key lease the job holds itself (not who holds its key: see lock_key_holder)."""
     return conn.execute(queries["job_lock"], {"id": job_id}).fetchone()
+
+
+#: lock_key_holder's "held_by": this job, another job, a lease of no job (a single_flight refill, another
+#: program), a lease that ran out (free: the next acquire takes it over), or no lease at all
+LOCK_HELD_BY = ("this_job", "another_job", "no_job", "expired", "nobody")
+
+
+def lock_key_holder(conn: Conn, job: Job, now: dt.datetime) -> dict[str, Any] | None:
+    """Who holds ``job``'s lock_key in resource_locks now, whichever job that is; None if it has no lock_key.
+
+    ``held_by`` is one of LOCK_HELD_BY; ``job_id``, ``job_type`` and ``job_state`` are the holder's (type and
+    state None when its job is gone), ``expires_in_seconds`` is negative for a lease that ran out. Only the
+    PostgreSQL lock backend's leases are seen: a lease taken in Redis (``--lock-backend redis://``) is not."""
+    if not job.lock_key:
+        return None
+    row = conn.execute(queries["job_lock_key_holder"], {"key": job.lock_key}).fetchone()
+    if row is None:
+        return {"lock_key": job.lock_key, "held_by": "nobody", "job_id": None, "job_type": None, "job_state": None,
+                "expires_at": None, "expires_in_seconds": None}  # fmt: skip
+    left = (row["expires_at"] - now).total_seconds()
+    if left < 0:
+        held_by = "expired"
+    elif row["job_id"] is None:
+        held_by = "no_job"
+    else:
+        held_by = "this_job" if row["job_id"] == job.id else "another_job"
+    return {
+        "lock_key": row["lock_key"],
+        "held_by": held_by,
+        "job_id": row["job_id"],
+        "job_type": row["holder_type"],
+        "job_state": row["holder_state"],
+        "expires_at": row["expires_at"],
+        "expires_in_seconds": left,
+    }
+
+
+@dataclass(frozen=True)
+class JobHolders:
+    """Who holds what a job needs, beside the job in its detail (the console's, ``qconsole job``'s)."""
+
+    #: the server's time of the read: what the expiries and the worker's state are judged against
+    at: dt.datetime
+    #: the lock_key lease this job holds itself, as job_lock reads it (``qconsole job --json``'s "lock")
+    lock: dict[str, Any] | None
+    #: who holds the job's lock_key now (lock_key_holder); None: the job has none
+    lock_holder: dict[str, Any] | None
+    #: the worker a running job's locked_by names, ``lost`` judged by the workers screen's rule (is_lost);
+    #: None when the job is not running, or its worker has no row (pruned a day after its last heartbeat)
+    worker: WorkerInfo | None
+    #: a suspect: its lease expired while its worker ran other jobs too. Only claim_solo takes it (or an
+    #: expired lease): an idle worker, one job at a time, to run it alone
+    suspect: bool = False
+    #: its current attempt runs alone (claim_solo): a lease lost now counts towards the poison-pill rule
+    ran_solo: bool = False
+
+    @property
+    def worker_state(self) -> str | None:
+        """The lease holder's state as the workers screen says it: live, lost or stopped; None: no worker."""
+        if self.worker is None:
+            return None
+        return "stopped" if self.worker.stopped_at is not None else "lost" if self.worker.lost else "live"
+
+
+def expired_lease_fate(job: Job, holders: JobHolders) -> str | None:
+    """What the next claim does with a running job whose lease expired (None: not running, or its lease is
+    live). Only claim_solo takes an expired lease, one job per idle worker at a time: ``cancelled`` (a kill was
+    requested), ``dead_lettered`` without running it again (it ran alone and has no attempts left: a poison
+    pill), else ``run_alone`` (one more attempt, alone: a suspect). A paused queue, or a limit of 0 on its
+    type, holds the last two until it is resumed or raised."""
+    if job.state is not JobState.RUNNING or job.locked_until is None or job.locked_until >= holders.at:
+        return None
+    if job.cancel_requested:
+        return "cancelled"
+    if holders.ran_solo and job.attempts >= job.max_attempts:
+        return "dead_lettered"
+    return "run_alone"
+
+
+def job_holders(conn: Conn, job: Job, clock: Clock = SYSTEM_CLOCK) -> JobHolders:
+    """What the job detail shows beside ``job``: its own lock lease, who holds its lock_key, its worker."""
+    now = now_on(conn, clock)
+    row = conn.execute(queries["job_lease_holder"], {"id": job.id}).fetchone() or {}
+    worker = None
+    if job.state is JobState.RUNNING and row.get("id") is not None:
+        fields = {k: row[k] for k in WorkerInfo.__dataclass_fields__ if k != "lost"}
+        worker = WorkerInfo(**fields, lost=is_lost(row["stopped_at"], row["last_heartbeat_at"], now))
+    return JobHolders(
+        at=now,
+        lock=job_lock(conn, job.id),
+        lock_holder=lock_key_holder(conn, job, now),
+        worker=worker,
+        suspect=bool(row.get("suspect")),
+        ran_solo=bool(row.get("ran_solo")),
+    )
 
 
 _JOB_COLUMNS = sql.SQL(", ").join(sql.Identifier(c) for c in Job.__dataclass_fields__)

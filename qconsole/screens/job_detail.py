@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from typing import Any
 
@@ -16,8 +17,10 @@ from textual.widgets import Static
 
 from qconsole.backend import ConsoleBackend
 from qconsole.screens.base import ConsoleScreen
+from qconsole.screens.workers import db_state
 from qconsole.widgets import fmt
-from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, Job
+from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, Job, JobState
+from worker_core.stats import LOST_AFTER_SECONDS, JobHolders, expired_lease_fate
 
 #: what the detail shows of a job, at most (the CLI's `qconsole job ID` shows it all)
 MAX_PAYLOAD_LINES = 200
@@ -47,6 +50,43 @@ def _kv(rows: list[tuple[str, Any]]) -> Table:
 
 def _section(title: str) -> Text:
     return _t(f"── {title} ", style="bold")
+
+
+def _until(expires_at: Any, left: float) -> str:
+    return f"until {fmt.hms(expires_at)} UTC (expires in {fmt.duration(left)})"
+
+
+def lock_said(job: Job, holder: dict[str, Any]) -> str:
+    """Who holds the job's lock_key (stats.lock_key_holder), whichever job that is."""
+    key, held_by, left = holder["lock_key"], holder["held_by"], holder["expires_in_seconds"]
+    if held_by == "nobody":
+        return f"{key} not held"
+    if held_by == "expired":
+        return f"{key}: its lease expired {fmt.duration(-left)} ago (free to take)"
+    if held_by == "this_job":
+        return f"{key} held by this job {_until(holder['expires_at'], left)}"
+    if held_by == "no_job":
+        who = "a lease of no job (a single_flight refill, another program)"
+    else:
+        what = f"{holder['job_type']}, {holder['job_state']}" if holder["job_type"] else "gone: pruned"
+        who = f"job {fmt.short_id(holder['job_id'])} ({what})"
+    waits = ": this job waits for it" if job.state in (JobState.QUEUED, JobState.RETRY_SCHEDULED) else ""
+    return f"{key} held by {who} {_until(holder['expires_at'], left)}{waits}"
+
+
+def worker_said(job: Job, holders: JobHolders) -> str:
+    """The worker holding the job's lease, as the workers screen says it (db_state, stats.is_lost): live, LOST
+    since its heartbeat went stale, or stopped."""
+    w, now = holders.worker, holders.at
+    if w is None:
+        return f"{job.locked_by} (no such worker: pruned a day after its last heartbeat)"
+    if w.stopped_at is not None:
+        return f"{job.locked_by}, {db_state(w)} {fmt.ago(w.stopped_at, now)}"
+    if w.lost:
+        since = w.last_heartbeat_at + dt.timedelta(seconds=LOST_AFTER_SECONDS)
+        beat = fmt.ago(w.last_heartbeat_at, now)
+        return f"{job.locked_by}, {db_state(w)} since {fmt.hms(since)} UTC (last heartbeat {beat})"
+    return f"{job.locked_by}, {db_state(w)}"
 
 
 def type_limit(limits: list[dict[str, Any]], job_type: str, queue: str) -> int | None:
@@ -81,23 +121,23 @@ class JobDetailScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self.query_one("#job-scroll").focus()
 
-    def fetch(self, backend: ConsoleBackend) -> tuple[Job, dict[str, Any] | None, int | None]:
-        job, lock = backend.get_job(self.job_id)
+    def fetch(self, backend: ConsoleBackend) -> tuple[Job, JobHolders, int | None]:
+        job, holders = backend.get_job(self.job_id)
         limit = None
         if self._lease_expired(job):
             # under a limit of 0 no worker reclaims it: "another worker may reclaim it" was wrong then
             limit = type_limit(backend.contracts().limits, job.job_type, job.queue)
-        return job, lock, limit
+        return job, holders, limit
 
     def _lease_expired(self, job: Job) -> bool:
         if job.state.value != "running" or job.locked_until is None:
             return False
         return fmt.utc(job.locked_until) < self.qapp.clock.now()  # type: ignore[operator]
 
-    def show(self, data: tuple[Job, dict[str, Any] | None, int | None]) -> None:
-        job, lock, limit = data
+    def show(self, data: tuple[Job, JobHolders, int | None]) -> None:
+        job, holders, limit = data
         self.job = job
-        self.query_one("#job-body", Static).update(self.render_job(job, lock, limit))
+        self.query_one("#job-body", Static).update(self.render_job(job, holders, limit))
 
     #: the errors and the payload as last rendered, and the job version they are of (see _heavy_parts)
     _heavy: tuple[tuple[Any, ...], list[RenderableType]] | None = None
@@ -144,7 +184,7 @@ class JobDetailScreen(ConsoleScreen):
             error = f"job {self.job_id} not found: retention pruned it, or it never existed"
         self.query_one("#job-body", Static).update(_t(f" {error}", style="bold"))
 
-    def render_job(self, job: Job, lock: dict[str, Any] | None, limit: int | None = None) -> RenderableType:
+    def render_job(self, job: Job, holders: JobHolders, limit: int | None = None) -> RenderableType:
         now = self.qapp.clock.now()
         parts: list[RenderableType] = []
         head = Text()
@@ -157,33 +197,19 @@ class JobDetailScreen(ConsoleScreen):
             parts.append(_t(self.note, style="italic"))
 
         # what matters during an incident comes first: lease and lock, why it failed, what it carried
-        lease: Text | str = "-"
+        rows: list[tuple[str, Any]] = []
         if job.state.value == "running" and job.locked_until is not None:
-            left = (fmt.utc(job.locked_until) - now).total_seconds()  # type: ignore[operator]
-            if left >= 0:
-                lease = _t(f"ends in {fmt.duration(left)} ({fmt.hms(job.locked_until)} UTC), held by {job.locked_by}")
-            elif limit == 0:
-                lease = _t(
-                    f"EXPIRED {fmt.duration(-left)} ago (held by {job.locked_by}): {fmt.PAUSED} its type is held by"
-                    f" a limit of 0: no worker reclaims it until the limit is raised (qconsole limit"
-                    f" {job.job_type} --clear)",
-                    style="bold",
-                )
-            else:
-                lease = _t(
-                    f"EXPIRED {fmt.duration(-left)} ago (held by {job.locked_by}): another worker may reclaim it",
-                    style="bold",
-                )
-        lock_text: Text | str = "-"
-        if lock:
-            lock_text = _t(
-                f"{lock['lock_key']} held, expires {fmt.ago(lock['expires_at'], now)} (token {str(lock['token'])[:8]})"
-            )
-        elif job.lock_key:
-            lock_text = _t(f"{job.lock_key} (not held now)")
-        if job.state.value == "running" or job.lock_key:
+            rows.append(("lease", self._lease_said(job, holders, limit, now)))
+        if holders.lock_holder is not None:
+            rows.append(("lock", _t(lock_said(job, holders.lock_holder))))
+        if holders.suspect and job.state in (JobState.QUEUED, JobState.RETRY_SCHEDULED):
+            rows.append(("claim", _t(
+                "a suspect (its lease expired while its worker ran other jobs too): only an idle"
+                " worker takes it, and runs it alone (claim_solo)"
+            )))  # fmt: skip
+        if rows:
             parts.append(_section("lease and lock"))
-            parts.append(_kv([("lease", lease), ("lock", lock_text)]))
+            parts.append(_kv(rows))
 
         parts.append(_section(f"errors ({len(job.errors)} attempt(s) failed)"))
         parts.extend(self._heavy_parts(job))
@@ -223,6 +249,31 @@ class JobDetailScreen(ConsoleScreen):
             )
         )
         return Group(*parts)
+
+    def _lease_said(self, job: Job, holders: JobHolders, limit: int | None, now: dt.datetime) -> Text:
+        """When the lease ends, the worker holding it as the workers screen judges it, and, once it expired,
+        what the next claim does with the job: only claim_solo takes an expired lease (an idle worker, one job
+        at a time, run alone), which is why a dead worker's jobs drain slowly."""
+        left = (fmt.utc(job.locked_until) - now).total_seconds()  # type: ignore[operator]
+        holder = worker_said(job, holders)
+        alone = "; runs alone (a suspect)" if holders.ran_solo else ""
+        if left >= 0:
+            return _t(f"ends in {fmt.duration(left)} ({fmt.hms(job.locked_until)} UTC), held by {holder}{alone}")
+        ago = fmt.duration(-left)
+        fate = expired_lease_fate(job, holders)
+        if fate == "cancelled":
+            then = "the next claim ends it: cancelled (its kill was requested)"
+        elif fate == "dead_lettered":
+            then = ("the next claim dead-letters it without running it again: it ran alone and has no attempts"
+                    " left (a poison pill)")  # fmt: skip
+        elif limit == 0:
+            then = (f"{fmt.PAUSED} its type is held by a limit of 0: no worker reclaims it until the limit is raised"
+                    f" (qconsole limit {job.job_type} --clear)")  # fmt: skip
+        else:
+            then = ("only an idle worker reclaims it, and runs it alone as a suspect (claim_solo: it may be what"
+                    " stopped its worker): a dead worker's jobs are taken back one per idle worker at a"
+                    " time")  # fmt: skip
+        return _t(f"EXPIRED {ago} ago (held by {holder}): {then}", style="bold")
 
     # ---------------------------------------------------------------- actions
 

@@ -1408,3 +1408,39 @@ def test_a_command_gives_up_on_a_server_that_stopped_answering(
     finally:
         proxy.frozen.clear()
         proxy.close()
+
+
+def test_job_says_who_holds_its_lock_key_and_the_state_of_its_worker(cli: Any, conn: db.Conn) -> None:
+    # `qconsole job ID` of a job waiting on its lock_key said nothing of who held it (its "lock" key is the
+    # lease the job holds itself: null), nor that the worker holding a running job's lease was lost
+    holder = cli("enqueue", "t.ok", "--lock-key", "rep:1").stdout.strip()
+    waiter = cli("enqueue", "t.ok", "--lock-key", "rep:1").stdout.strip()
+    conn.execute(
+        "INSERT INTO workers (id, host, pid, concurrency, last_heartbeat_at) VALUES ('vm:1:a', 'vm', 1, 4,"
+        " now() - interval '2 minutes')"
+    )
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'vm:1:a',"
+        " locked_until = now() - interval '14 seconds' WHERE id = %s",
+        (holder,),
+    )
+    conn.execute(
+        "INSERT INTO resource_locks (lock_key, token, job_id, expires_at)"
+        " VALUES ('rep:1', 'tok', %s, now() + interval '5 minutes')",
+        (holder,),
+    )
+    out = json.loads(cli("job", waiter, "--json").stdout)
+    assert out["lock"] is None and out["lease_holder"] is None and out["suspect"] is False
+    assert {k: out["lock_holder"][k] for k in ("lock_key", "held_by", "job_id", "job_type", "job_state")} == {
+        "lock_key": "rep:1", "held_by": "another_job", "job_id": holder, "job_type": "t.ok", "job_state": "running",
+    }  # fmt: skip
+    assert 290 < out["lock_holder"]["expires_in_seconds"] <= 300
+    text = " ".join(cli("job", waiter).stdout.split())
+    assert f"lock rep:1 held by job {holder} (t.ok, running) until" in text, text
+    mine = json.loads(cli("job", holder, "--json").stdout)
+    assert mine["lock"]["job_id"] == holder and mine["lock_holder"]["held_by"] == "this_job"
+    assert mine["lease_holder"]["worker_id"] == "vm:1:a" and mine["lease_holder"]["state"] == "lost"
+    assert mine["lease_holder"]["expired_lease_next"] == "run_alone"
+    text = " ".join(cli("job", holder).stdout.split())
+    assert "lease holder vm:1:a: LOST since " in text and "(last heartbeat 2m0" in text, text
+    assert "only an idle worker reclaims it, and runs it alone as a suspect (claim_solo)" in text, text

@@ -30,6 +30,7 @@ from worker_core.models import (
     TypeStats,
     WorkerInfo,
 )
+from worker_core.stats import JobHolders
 
 T0 = dt.datetime(2025, 3, 14, 9, 26, 53, tzinfo=dt.timezone.utc)
 UTC = dt.timezone.utc
@@ -207,15 +208,22 @@ class FakeBackend:
             out = [j for j in out if (j.updated_at, -j.id.int) < (after.updated_at, -after.id.int)]
         return out[:limit]
 
-    def get_job(self, job_id: uuid.UUID) -> tuple[Job, dict[str, Any] | None]:
+    def get_job(self, job_id: uuid.UUID) -> tuple[Job, JobHolders]:
+        """A job holds its own lock_key for 37 s; a running one's worker is its row in workers()."""
         self._read("get_job", job_id)
         for j in self.jobs:
             if j.id == job_id:
-                lock = None
+                lock = holder = None
                 if j.lock_key:
                     lock = {"lock_key": j.lock_key, "token": "5f2c9a1e77", "job_id": j.id,
                             "expires_at": T0 + dt.timedelta(seconds=37)}  # fmt: skip
-                return j, lock
+                    holder = {"lock_key": j.lock_key, "held_by": "this_job", "job_id": j.id, "job_type": j.job_type,
+                              "job_state": j.state.value, "expires_at": T0 + dt.timedelta(seconds=37),
+                              "expires_in_seconds": 37.0}  # fmt: skip
+                worker = None
+                if j.state is JobState.RUNNING:
+                    worker = next((w for w in self.workers() if w.id == j.locked_by), None)
+                return j, JobHolders(at=T0, lock=lock, lock_holder=holder, worker=worker)
         raise NotFound(f"no job {job_id}")
 
     def dead_letter_groups(self) -> list[DeadLetterGroup]:

@@ -11,6 +11,7 @@ import datetime as dt
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -1644,6 +1645,103 @@ def test_requeue_and_kill_on_a_job_detail_still_ask_first(dsn: str, conn: db.Con
 
     run_async(scenario())
     assert stats.get_job(conn, job).state == JobState.DEAD_LETTERED and stats.audit_log(conn) == []
+
+
+def test_a_waiting_jobs_detail_names_the_job_that_holds_its_lock_key(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    # "why isn't the head of the queue running?": the job waits on its lock_key, which another job holds. The
+    # detail looked the lock up by *this* job's id and said "rep:1 (not held now)", the opposite of the truth,
+    # at the one moment the operator needs to know who holds it (qconsole job ID said nothing either)
+    from qconsole.screens.jobs import JobsScreen
+
+    holder = make_job("t.ok", {"holder": True}, lock_key="rep:1")
+    waiter = make_job("t.ok", {"waiter": True}, lock_key="rep:1")
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, started_at = now(), locked_by = 'w1',"
+        " locked_until = now() + interval '5 minutes' WHERE id = %s",
+        (holder,),
+    )
+    conn.execute(
+        "INSERT INTO resource_locks (lock_key, token, job_id, expires_at)"
+        " VALUES ('rep:1', 'tok', %s, now() + interval '5 minutes')",
+        (holder,),
+    )
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            jobs = await opened(pilot, "j", JobsScreen)
+            await pilot.press("n")  # the waiting jobs, head of the queue first: only the waiter
+            await settle(pilot)
+            assert [j.id for j in jobs.jobs] == [waiter]
+            detail = await opened(pilot, "enter", JobDetailScreen)
+            assert detail.job_id == waiter
+            text = " ".join(screen_text(app).split())
+            assert "not held" not in text, text
+            assert f"rep:1 held by job {str(holder)[:8]} (t.ok, running) until" in text, text
+            assert "(expires in 4m5" in text and "this job waits for it" in text, text
+            # the holder's own detail says it holds it
+            app.pop_screen()
+            await settle(pilot)
+            app.push_screen(JobDetailScreen(holder))
+            await settle(pilot)
+            assert "rep:1 held by this job until" in " ".join(screen_text(app).split())
+            # a lease that ran out is free to take, whoever it was
+            conn.execute("UPDATE resource_locks SET expires_at = now() - interval '12 seconds'")
+            app.screen.reload()  # type: ignore[attr-defined]
+            await settle(pilot)
+            assert "rep:1: its lease expired 12s ago (free to take)" in " ".join(screen_text(app).split())
+
+    run_async(scenario())
+
+
+@pytest.mark.parametrize("worker", ["lost", "stopped", "live"])
+def test_a_running_jobs_detail_says_its_workers_state_and_who_reclaims_an_expired_lease(
+    dsn: str, conn: db.Conn, make_job: Any, worker: str
+) -> None:
+    # a dead worker's jobs looked healthy: "held by vm:29289:30c326" without a word of that worker being LOST
+    # (its heartbeat stale) or stopped, then "another worker may reclaim it", not that only an idle worker
+    # takes an expired lease, to run it alone: why a dead worker's backlog drains one job at a time
+    beat = {"lost": "2 minutes", "stopped": "3 minutes", "live": "0 seconds"}[worker]
+    conn.execute(
+        "INSERT INTO workers (id, host, pid, queues, tasks, concurrency, started_at, last_heartbeat_at, stopped_at)"
+        " VALUES ('vm:29289:30c326', 'vm', 29289, NULL, '{t.ok}', 4, now() - interval '1 hour',"
+        " now() - %(beat)s::interval, CASE WHEN %(stopped)s THEN now() - %(beat)s::interval END)",
+        {"beat": beat, "stopped": worker == "stopped"},
+    )
+    expired = make_job("t.ok", {"n": 1})
+    live = make_job("t.ok", {"n": 2})
+    for job, lease in ((expired, "-14 seconds"), (live, "2 minutes")):
+        conn.execute(
+            "UPDATE job_queue SET state = 'running', attempts = 1, started_at = now() - interval '5 minutes',"
+            " locked_by = 'vm:29289:30c326', locked_until = now() + %s::interval WHERE id = %s",
+            (lease, job),
+        )
+    app = console(dsn)
+    said = {  # as the workers screen says it, and when
+        "lost": r"vm:29289:30c326, ✗ LOST since \d\d:\d\d:\d\d UTC \(last heartbeat 2m0\ds ago\)",
+        "stopped": r"vm:29289:30c326, ■ stopped 3m0\ds ago",
+        "live": r"vm:29289:30c326, ● live",
+    }[worker]
+
+    async def scenario() -> None:
+        async with app.run_test(size=(160, 30)) as pilot:
+            await settle(pilot)
+            app.push_screen(JobDetailScreen(expired))
+            await settle(pilot)
+            text = " ".join(screen_text(app).split())
+            assert re.search(rf"EXPIRED 1\ds ago \(held by {said}\): only an idle worker", text), text
+            assert "only an idle worker reclaims it, and runs it alone as a suspect (claim_solo" in text, text
+            assert "one per idle worker at a time" in text, text
+            app.pop_screen()
+            await settle(pilot)
+            app.push_screen(JobDetailScreen(live))
+            await settle(pilot)
+            text = " ".join(screen_text(app).split())
+            assert re.search(rf"lease ends in 1m5\ds \(\d\d:\d\d:\d\d UTC\), held by {said}", text), text
+            assert "EXPIRED" not in text, text
+
+    run_async(scenario())
 
 
 CONSOLE_PROCESS = """

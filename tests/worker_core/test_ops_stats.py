@@ -724,3 +724,73 @@ def test_the_live_counts_read_no_finished_row_on_a_table_of_200k(conn: db.Conn) 
     assert "Seq Scan on job_queue" not in plan, plan
     [t] = stats.overview(conn).types
     assert (t.queued, t.queued_later, t.succeeded) == (2, 1, 0)
+
+
+def test_lock_key_holder_names_whichever_job_holds_the_key(conn: db.Conn) -> None:
+    # the job detail looked the lock up by the job's own id (job_lock): a job waiting on a key another job
+    # held was told "rep:1 (not held now)"
+    holder = enqueue(conn, "t.ok", {}, lock_key="rep:1").id
+    waiter = enqueue(conn, "t.ok", {}, lock_key="rep:1").id
+    free = enqueue(conn, "t.ok", {}, lock_key="rep:2").id
+    conn.execute("UPDATE job_queue SET state = 'running', locked_by = 'w1', locked_until = now() WHERE id = %s",
+                 (holder,))  # fmt: skip
+    conn.execute(
+        "INSERT INTO resource_locks (lock_key, token, job_id, expires_at) VALUES ('rep:1', 't', %s, %s)",
+        (holder, NOW + dt.timedelta(seconds=40)),
+    )
+
+    def held(job: uuid.UUID, now: dt.datetime = NOW) -> dict[str, Any] | None:
+        return stats.lock_key_holder(conn, stats.get_job(conn, job), now)
+
+    said = held(waiter)
+    assert said is not None and said["held_by"] == "another_job" and said["job_id"] == holder
+    assert (said["job_type"], said["job_state"], said["expires_in_seconds"]) == ("t.ok", "running", 40.0)
+    assert stats.job_lock(conn, waiter) is None  # what the detail read before: nothing of its own
+    assert held(holder)["held_by"] == "this_job"  # type: ignore[index]
+    assert held(waiter, NOW + dt.timedelta(seconds=41))["held_by"] == "expired"  # type: ignore[index]
+    assert held(free) == {"lock_key": "rep:2", "held_by": "nobody", "job_id": None, "job_type": None,
+                          "job_state": None, "expires_at": None, "expires_in_seconds": None}  # fmt: skip
+    conn.execute("UPDATE resource_locks SET job_id = NULL")  # a single_flight refill's lease, another program's
+    assert held(waiter)["held_by"] == "no_job"  # type: ignore[index]
+    assert stats.lock_key_holder(conn, stats.get_job(conn, enqueue(conn, "t.ok", {}).id), NOW) is None
+
+
+def test_a_jobs_lease_holder_is_judged_lost_by_the_workers_lists_own_rule(conn: db.Conn) -> None:
+    # the job detail said "held by vm:29289:30c326" of a worker the workers screen showed LOST
+    clock = FixedClock(NOW)
+    beats = {"live": 1, "edge": stats.LOST_AFTER_SECONDS, "lost": stats.LOST_AFTER_SECONDS + 1, "stopped": 300}
+    jobs = {}
+    for name, age in beats.items():
+        conn.execute(
+            "INSERT INTO workers (id, host, pid, concurrency, last_heartbeat_at, stopped_at) VALUES (%s, 'h', 1, 4, %s,"
+            " %s)",
+            (name, NOW - dt.timedelta(seconds=age), NOW - dt.timedelta(seconds=age) if name == "stopped" else None),
+        )
+        jobs[name] = enqueue(conn, "t.ok", {}).id
+        conn.execute(
+            "UPDATE job_queue SET state = 'running', locked_by = %s, locked_until = %s WHERE id = %s",
+            (name, NOW - dt.timedelta(seconds=5), jobs[name]),
+        )
+    listed = {w.id: w.lost for w in stats.workers(conn, clock)}
+    for name, job in jobs.items():
+        holders = stats.job_holders(conn, stats.get_job(conn, job), clock)
+        assert holders.worker is not None and holders.worker.lost == listed[name], name
+        assert holders.worker_state == {"edge": "live"}.get(name, name)
+        assert stats.expired_lease_fate(stats.get_job(conn, job), holders) == "run_alone"
+    # what the next claim (claim_solo) does with an expired lease: a poison pill, a kill requested
+    lost = jobs["lost"]
+
+    def fate() -> str | None:
+        job = stats.get_job(conn, lost)
+        return stats.expired_lease_fate(job, stats.job_holders(conn, job, clock))
+
+    conn.execute("UPDATE job_queue SET ran_solo = true, attempts = max_attempts WHERE id = %s", (lost,))
+    assert fate() == "dead_lettered"
+    conn.execute("UPDATE job_queue SET cancel_requested = true WHERE id = %s", (lost,))
+    assert fate() == "cancelled"
+    gone = enqueue(conn, "t.ok", {}).id  # its worker's row pruned
+    conn.execute("UPDATE job_queue SET state = 'running', locked_by = 'gone', locked_until = %s WHERE id = %s",
+                 (NOW + dt.timedelta(seconds=60), gone))  # fmt: skip
+    holders = stats.job_holders(conn, stats.get_job(conn, gone), clock)
+    assert holders.worker is None and holders.worker_state is None
+    assert stats.expired_lease_fate(stats.get_job(conn, gone), holders) is None  # its lease is live

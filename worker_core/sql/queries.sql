@@ -733,6 +733,24 @@ SELECT * FROM job_queue WHERE id = %(id)s;
 -- name: job_lock
 SELECT lock_key, token, job_id, expires_at FROM resource_locks WHERE job_id = %(id)s;
 
+-- name: job_lock_key_holder
+-- The job detail: who holds a job's lock_key now, whichever job that is (job_lock finds only a lease the job
+-- holds itself: a job waiting on its key was told the key was free), with the holder's type and state.
+-- Two primary-key lookups.
+SELECT l.lock_key, l.token, l.job_id, l.expires_at, h.job_type AS holder_type, h.state AS holder_state
+FROM resource_locks l
+LEFT JOIN job_queue h ON h.id = l.job_id
+WHERE l.lock_key = %(key)s;
+
+-- name: job_lease_holder
+-- The job detail: the worker a running job's locked_by names (a primary-key lookup), judged as workers_list's
+-- rows are; and whether the job is a suspect, which only claim_solo takes (one at a time, to run alone).
+SELECT j.suspect, j.ran_solo, w.id, w.host, w.pid, w.queues, w.tasks, w.concurrency, w.in_flight, w.started_at,
+       w.last_heartbeat_at, w.stopped_at
+FROM job_queue j
+LEFT JOIN workers w ON w.id = j.locked_by
+WHERE j.id = %(id)s;
+
 -- name: dead_letter_groups
 -- The groups first, counted from job_queue_error_groups_idx (0013) in its order, the biggest `limit` of
 -- them kept; then, for each of those only, its newest `max_ids` jobs and its newest error. Grouping every
