@@ -29,6 +29,11 @@ MAX_ERRORS_SHOWN = 20
 MAX_ERROR_CHARS = 1_000
 
 
+#: dead letters and failed jobs an operator gives up on: discarded to cancelled (ops.discard, as the dead
+#: letters screen's X)
+DISCARDABLE_STATES = (JobState.DEAD_LETTERED, JobState.FAILED)
+
+
 def _t(text: str, **kwargs: Any) -> Text:
     """Text of job data: escape sequences and control characters never reach the terminal."""
     return Text(fmt.printable(text), **kwargs)
@@ -106,7 +111,16 @@ class JobDetailScreen(ConsoleScreen):
         Binding("escape", "back", "Back"),
         Binding("r", "requeue", "Requeue"),
         Binding("K", "kill", "Kill"),
+        Binding("X", "discard", "Discard"),
     ]
+
+    #: the states each action takes: the key line offers only the actions that apply to the job as shown
+    #: (a dead letter's offered K, which answered "Nothing to kill", and not X, which it takes)
+    ACTION_STATES: dict[str, tuple[JobState, ...]] = {
+        "requeue": REQUEUEABLE_STATES,
+        "kill": KILLABLE_STATES,
+        "discard": DISCARDABLE_STATES,
+    }
 
     def __init__(self, job_id: uuid.UUID, note: str = "", **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -138,6 +152,7 @@ class JobDetailScreen(ConsoleScreen):
         job, holders, limit = data
         self.job = job
         self.query_one("#job-body", Static).update(self.render_job(job, holders, limit))
+        self.refresh_bindings()  # the keys its state takes (check_action)
 
     #: the errors and the payload as last rendered, and the job version they are of (see _heavy_parts)
     _heavy: tuple[tuple[Any, ...], list[RenderableType]] | None = None
@@ -180,6 +195,7 @@ class JobDetailScreen(ConsoleScreen):
 
     def show_failure(self, error: str) -> None:
         self.job = None  # nothing to act on
+        self.refresh_bindings()
         if error.startswith("NotFound"):
             error = f"job {self.job_id} not found: retention pruned it, or it never existed"
         self.query_one("#job-body", Static).update(_t(f" {error}", style="bold"))
@@ -277,6 +293,12 @@ class JobDetailScreen(ConsoleScreen):
 
     # ---------------------------------------------------------------- actions
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        states = self.ACTION_STATES.get(action)
+        if states is None:
+            return True
+        return self.job is not None and self.job.state in states
+
     def action_back(self) -> None:
         self.dismiss()
 
@@ -310,5 +332,21 @@ class JobDetailScreen(ConsoleScreen):
             else f"it is {job.state.value}; only waiting or running jobs can be killed.",
             lambda b: b.kill([job.id]),
             lambda r: f"Killed {r.count} job(s)." + (" It changed state meanwhile: skipped." if r.skipped else ""),
+            touches=1 if ok else 0,
+        )  # fmt: skip
+
+    def action_discard(self) -> None:
+        job = self.job
+        if job is None:
+            return
+        ok = job.state in DISCARDABLE_STATES
+        self.act(
+            "discard",
+            f"Discard job {fmt.short_id(job.id)} ({job.job_type})?",
+            f"Touches 1 job: {job.state.value} -> cancelled: off the dead letters, never run again; its history"
+            " keeps what it died of, and a requeue (r) brings it back." if ok
+            else f"it is {job.state.value}; only dead-lettered or failed jobs can be discarded.",
+            lambda b: b.discard([job.id]),
+            lambda r: f"Discarded {r.count} job(s)." + (" It changed state meanwhile: skipped." if r.skipped else ""),
             touches=1 if ok else 0,
         )  # fmt: skip

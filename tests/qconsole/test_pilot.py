@@ -1744,6 +1744,64 @@ def test_a_running_jobs_detail_says_its_workers_state_and_who_reclaims_an_expire
     run_async(scenario())
 
 
+def test_a_dead_letters_detail_offers_requeue_and_discard_and_x_discards_it_after_asking(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
+    # a dead-lettered job's detail offered "r Requeue  K Kill": K answered "Nothing to kill", and X, the
+    # discard the dead letters screen has, did nothing
+    dead = make_job("t.ok", {"vat": "bad"})
+    running = make_job("t.ok", {"n": 1})
+    conn.execute("UPDATE job_queue SET state = 'dead_lettered', attempts = 1, finished_at = now() WHERE id = %s",
+                 (dead,))  # fmt: skip
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, started_at = now(), locked_by = 'w1',"
+        " locked_until = now() + interval '5 minutes' WHERE id = %s",
+        (running,),
+    )
+    app = console(dsn)
+
+    def keys_offered() -> str:
+        return screen_text(app).splitlines()[-2]  # the screen's key line, above the app's
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            app.push_screen(JobDetailScreen(running))
+            await settle(pilot)
+            offered = keys_offered()
+            assert "Kill" in offered and "Requeue" not in offered and "Discard" not in offered, offered
+            await pilot.press("X")  # not offered: nothing asked
+            await settle(pilot)
+            assert isinstance(app.screen, JobDetailScreen)
+            app.pop_screen()
+            await settle(pilot)
+            detail = JobDetailScreen(dead)
+            app.push_screen(detail)
+            await settle(pilot)
+            offered = keys_offered()
+            assert "Requeue" in offered and "Discard" in offered and "Kill" not in offered, offered
+            await pilot.press("K")  # not offered: nothing asked, nothing said
+            await settle(pilot)
+            assert app.screen is detail and "Nothing to kill" not in notes(app)
+            question = await opened(pilot, "X", ConfirmScreen)
+            assert f"Discard job {str(dead)[:8]} (t.ok)?" == question.question
+            assert "dead_lettered -> cancelled" in question.details
+            await opened(pilot, "n", JobDetailScreen)
+            assert stats.get_job(conn, dead).state == JobState.DEAD_LETTERED and stats.audit_log(conn) == []
+            await opened(pilot, "X", ConfirmScreen)
+            await pilot.press("y")
+            await until(pilot, lambda: "Discarded 1 job(s)." in notes(app), what="the discard")
+            await settle(pilot)
+            offered = keys_offered()
+            assert "Requeue" in offered and "Discard" not in offered, offered  # cancelled: only a requeue
+
+    run_async(scenario())
+    assert stats.get_job(conn, dead).state == JobState.CANCELLED
+    entry = stats.audit_log(conn)[0]
+    assert entry.action == "discard" and entry.job_ids == [dead]
+    assert entry.os_user == ops.Actor.current().os_user
+
+
 CONSOLE_PROCESS = """
 import sys, time
 from pathlib import Path
