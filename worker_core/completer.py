@@ -31,7 +31,8 @@ class Completer:
     away), they were run again by another worker, or by this one, as their first run waited to be settled.
     A job whose row another transaction holds is settled with a later batch (see _flush). While its
     settlements fail, the worker claims nothing more once ``max_in_flight`` jobs wait here
-    (Worker._completer_full)."""
+    (Worker._completer_full). A job with a lock_key keeps its lock while it waits here (the heartbeat
+    extends it with the job's lease), and the completer releases it once the job is settled."""
 
     FLUSH_SECONDS = 0.005
     MAX_BATCH = 500
@@ -183,4 +184,18 @@ class Completer:
                         ex.ctx.logger.exception("could not settle the killed job")
             finally:
                 slot.close()
+        for ex in batch:
+            if ex.lock is not None and ex.job["id"] not in busy_ids:
+                self._release_lock(conn, ex)
         return busy
+
+    def _release_lock(self, conn: db.Conn, ex: Execution) -> None:
+        """The lock_key lease of a job this batch settled, or that is no longer this worker's: held until
+        now (the heartbeat extends it while the job waits here), so that no other job with the key ran while
+        this one's outcome was not written."""
+        assert ex.lock is not None
+        try:
+            self.w.locks.release(conn, *ex.lock)
+        except Exception as e:
+            why = db.redact(str(e).strip(), self.w.dsn)
+            ex.ctx.logger.warning("could not release lock %s: %s (it expires by itself)", ex.lock[0], why)

@@ -79,7 +79,10 @@ OUTAGE_PAUSE = 0.5
 class Execution:
     job: dict[str, Any]
     ctx: JobContext
+    #: its lock_key lease (key, token), held from before its handler until it is settled
     lock: tuple[str, str] | None = None
+    #: its success went to the completer, which releases its lock once it is settled (Completer._flush)
+    settling: bool = False
     #: a slot began it (it is no longer waiting in the prefetch buffer)
     begun: bool = False
     #: while its handler runs: the slot running it and the (monotonic) deadline the watchdog enforces
@@ -1119,7 +1122,7 @@ class Slot:
             # Python cannot stop its thread, which may still work on the resource: not given to another job
             # now; the lease, no longer extended, runs out within the job's visibility timeout
             ex.ctx.logger.info("lock %s kept until its lease runs out: the abandoned handler may still run", ex.lock[0])
-        elif ex.lock is not None:
+        elif ex.lock is not None and not ex.settling:
             try:
                 self.w.locks.release(self.conn, *ex.lock)
             except Exception as e:
@@ -1570,8 +1573,12 @@ class Slot:
 
     def _to_completer(self, ex: Execution) -> None:
         """A success with no effect: the completer settles it, and counts it once its fenced settlement
-        went through (a job meanwhile killed or reclaimed is not a success of this worker)."""
+        went through (a job meanwhile killed or reclaimed is not a success of this worker). Its lock_key lease
+        is held until then, and the completer releases it: released as its handler returned, it let another job
+        with the key run while this one's outcome was still unwritten (its settlement held up by a row lock or
+        failing, and in the end perhaps not a success: killed, or run again after the other)."""
         ex.outcome = {}
+        ex.settling = True
         self.w.completer.add(ex)
 
     def _succeeded(self, ex: Execution, idempotency_hit: bool) -> None:

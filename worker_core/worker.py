@@ -8,8 +8,8 @@ Threads of one worker process:
 - the watchdog thread: cancels a handler at its timeout and, if it ignores that for ``cancel_grace``
   seconds, abandons its slot thread (nothing more it sends reaches the server) and starts another in its
   place, which ends the abandoned transaction on the server before it settles the job;
-- the heartbeat thread: extends the leases of in-flight jobs (and their lock_key leases), sees kills and
-  lost leases, upserts the ``workers`` row, flushes metrics;
+- the heartbeat thread: extends the leases of in-flight jobs and of those waiting for the completer (and
+  their lock_key leases), sees kills and lost leases, upserts the ``workers`` row, flushes metrics;
 - the housekeeping thread, with a connection of its own: retention and rollups when it wins the lock
   (worker_core.maintenance); a long round never holds up the heartbeat, whose leases would run out;
 - the completer thread: settles in batches the successes that have nothing to commit with them.
@@ -996,6 +996,7 @@ class Worker:
         # while it could not (a row locked by an operator's open transaction, the database away), and they
         # were run again. Its fenced settlement finds what became of them: nothing to cancel here
         settling = self.completer.waiting()
+        locked = [ex for ex in in_flight if ex.lock is not None]
         if in_flight or settling:
             ids = [ex.job["id"] for ex in in_flight] + [ex.job["id"] for ex in settling]
             with conn.transaction():
@@ -1009,6 +1010,14 @@ class Worker:
                     ex.ctx.cancel("lease_lost")
                 elif r["cancel_requested"]:
                     ex.ctx.cancel("killed")
+            # a job waiting for the completer holds its lock_key lease until it is settled (the completer
+            # releases it), as long as the job is still this worker's (its row held by another transaction
+            # included: no claim can take it meanwhile)
+            running = {ex.job["id"] for ex in in_flight}
+            for ex in settling:
+                r = held.get(ex.job["id"])
+                if ex.lock is not None and ex.job["id"] not in running and r and r["attempts"] == ex.job["attempts"]:
+                    locked.append(ex)
         with conn.transaction():
             if final:
                 conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})
@@ -1032,8 +1041,8 @@ class Worker:
         # after the jobs' leases and the worker's row: a lock backend that hangs (Redis stopped answering:
         # each call waits for its socket timeout) delayed both, one call per job, until live workers' leases
         # ran out; and after one failure, no more calls this beat
-        for ex in in_flight:
-            if ex.lock is not None and not ex.ctx.cancelled and not self._extend_lock(conn, ex):
+        for ex in locked:
+            if not (ex.ctx.cancelled and not ex.settling) and not self._extend_lock(conn, ex):
                 break
         self.metrics.flush(conn)
         if not final:

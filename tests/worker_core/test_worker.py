@@ -700,6 +700,60 @@ def test_the_lock_key_lease_of_an_abandoned_handler_is_not_given_away_while_it_m
         assert scalar(dsn, "SELECT count(*) FROM resource_locks WHERE lock_key = 'order:slow'") == 1
 
 
+REFUSE_SETTLING = """
+CREATE FUNCTION refuse_settling() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.state = 'succeeded' AND OLD.state = 'running' AND NEW.id = %s::uuid THEN
+        RAISE EXCEPTION 'the settlement refused (test)';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER refuse_settling BEFORE UPDATE ON job_queue FOR EACH ROW EXECUTE FUNCTION refuse_settling();
+"""
+
+
+@pytest.mark.parametrize("slow", ["row-held", "settlement-failing"])
+def test_a_job_waiting_for_the_completer_keeps_its_lock_key_until_it_is_settled(
+    conn: db.Conn, dsn: str, slow: str
+) -> None:
+    # a job with no effect to commit is settled by the completer after its handler; its lock was released when
+    # the handler returned, before that settlement: a second job with the key ran while the first was still
+    # running, its outcome unknown (killed, taken over: run again after the second). Here the completer cannot
+    # settle it past its lock's lease (6.5 s): an operator's transaction holds its row, or the settlement fails
+    lease = {"timeout_seconds": 1, "visibility_timeout_seconds": 6.5}
+    first = enqueue(conn, "t.slow", {"seconds": 0.5}, lock_key="order:settling", **lease).id
+    conn.commit()
+    operator = db.connect(dsn)
+    if slow == "settlement-failing":
+        operator.execute(REFUSE_SETTLING.replace("%s", f"'{first}'"))
+        operator.commit()
+    try:
+        with running_worker(dsn, heartbeat_interval=0.2, lock_contention_delay=0.1) as w:
+            wait_for(lambda: state(dsn, first) == "running", 10, what="the first job to start")
+            if slow == "row-held":
+                operator.execute("SELECT 1 FROM job_queue WHERE id = %s FOR UPDATE", (first,))
+            wait_for(lambda: first in {ex.job["id"] for ex in w.completer.waiting()}, 10,
+                     what="the first job to wait for the completer")  # fmt: skip
+            second = enqueue(conn, "t.locked", {"seconds": 0.1}, lock_key="order:settling").id
+            conn.commit()
+            time.sleep(7.5)  # past the first one's lock lease
+            started = conn.execute("SELECT started FROM intervals WHERE job_id = %s", (second,)).fetchall()
+            assert started == [], "the second job ran while the first one waited to be settled"
+            assert state(dsn, first) == "running" and state(dsn, second) != "succeeded"
+            let_go = scalar(dsn, "SELECT clock_timestamp()")
+            if slow == "row-held":
+                operator.rollback()
+            else:
+                operator.execute("DROP TRIGGER refuse_settling ON job_queue")
+                operator.commit()
+            wait_for(lambda: state(dsn, first) == state(dsn, second) == "succeeded", 20, what="both to succeed")
+    finally:
+        operator.close()
+    (row,) = conn.execute("SELECT started FROM intervals WHERE job_id = %s", (second,)).fetchall()
+    assert row["started"] > let_go
+    assert scalar(dsn, "SELECT count(*) FROM resource_locks") == 0
+
+
 REDIS = "redis://127.0.0.1:6379/15"
 
 
