@@ -938,7 +938,8 @@ def job(job_id: Annotated[str, typer.Argument()], as_json: JsonOpt = False, dsn:
 
 @app.command("stats")
 def stats_cmd(as_json: JsonOpt = False, dsn: DsnOpt = None) -> None:
-    """Per queue and job type: counts by state, lag, DLQ rate, lease expirations, retries, throughput."""
+    """Per queue and job type: counts by state, lag, DLQ rate, lease expirations, retries, throughput.
+    The queued column counts every queued job; later, those of them scheduled for later (not due yet)."""
     with connect(dsn, read_only=True) as conn:
         ov = guarded(lambda: stats.overview(conn))
     output.overview(ov, as_json)

@@ -180,19 +180,21 @@ def overview(ov: Overview, as_json: bool) -> None:
                 "window_minutes": ov.window_minutes,
                 "workers_alive": ov.workers_alive,
                 "queues": ov.queues,
-                "types": [{**to_jsonable(t), "waiting": t.waiting} for t in ov.types],
+                "types": [{**to_jsonable(t), "waiting": t.waiting, "queued_due": t.queued_due} for t in ov.types],
             }
         )
         return
     t = Table(
-        "queue", "type", "queued", "running", "retry", "failed", "dead", "lag", "ok/min", "dlq/min", "lease exp/min",
-        "retries", "latency", "handler", box=None, pad_edge=False, title=f"last {ov.window_minutes} min",
+        "queue", "type", "queued", "later", "running", "retry", "failed", "dead", "lag", "ok/min", "dlq/min",
+        "lease exp/min", "retries", "latency", "handler",
+        box=None, pad_edge=False, title=f"last {ov.window_minutes} min",
     )  # fmt: skip
     for s in ov.types:
         _row(t,
             s.queue + (" (paused)" if s.paused else ""),
             s.job_type,
             str(s.queued),
+            str(s.queued_later),
             str(s.running),
             str(s.retry_scheduled),
             str(s.failed),

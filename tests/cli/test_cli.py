@@ -1444,3 +1444,18 @@ def test_job_says_who_holds_its_lock_key_and_the_state_of_its_worker(cli: Any, c
     text = " ".join(cli("job", holder).stdout.split())
     assert "lease holder vm:1:a: LOST since " in text and "(last heartbeat 2m0" in text, text
     assert "only an idle worker reclaims it, and runs it alone as a suspect (claim_solo)" in text, text
+
+
+def test_stats_shows_the_jobs_queued_for_later(cli: Any) -> None:
+    # the console's overview splits the queued jobs due now from those scheduled later; `qconsole stats` showed
+    # only their sum: a job due in 30 days read as one waiting now
+    cli("enqueue", "t.ok")
+    for _ in range(2):
+        cli("enqueue", "t.ok", "--delay", "3600")
+    (row,) = [t for t in json.loads(cli("stats", "--json").stdout)["types"] if t["job_type"] == "t.ok"]
+    assert (row["queued"], row["queued_later"], row["queued_due"], row["waiting"]) == (3, 2, 1, 3)
+    lines = cli("stats").stdout.splitlines()
+    header = next(line.split() for line in lines if line.split()[:2] == ["queue", "type"])
+    cells = next(line.split() for line in lines if "t.ok" in line.split())
+    assert header[2:4] == ["queued", "later"]
+    assert cells[2:4] == ["3", "2"]
