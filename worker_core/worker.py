@@ -304,19 +304,22 @@ class Worker:
             self.config.concurrency,
             policy_source,
         )
-        for i in range(self.config.concurrency):
-            self._spawn(self._slot_main, f"slot-{i}", i)
-        self._publish_contracts()
-        self._heartbeat_once()  # before the heartbeat thread: they share its connection
-        if self.config.housekeeping:
-            self._first_housekeeping()
-        self._spawn(self._heartbeat_main, "heartbeat")
-        if self.config.housekeeping:
-            self._spawn(self._housekeeping_main, "housekeeping")
-        self._spawn(self._watchdog_main, "watchdog")
-        self._spawn(self.completer.run, "completer")
-        self._spawn(self._listen_main, "listener")
+        # everything from the first thread on is undone by _shutdown, however it ends: a worker refused as it
+        # published its types' contracts (a policy file that does not load) left its slot threads waiting for
+        # ever, and the Worker with them
         try:
+            for i in range(self.config.concurrency):
+                self._spawn(self._slot_main, f"slot-{i}", i)
+            self._publish_contracts()
+            self._heartbeat_once()  # before the heartbeat thread: they share its connection
+            if self.config.housekeeping:
+                self._first_housekeeping()
+            self._spawn(self._heartbeat_main, "heartbeat")
+            if self.config.housekeeping:
+                self._spawn(self._housekeeping_main, "housekeeping")
+            self._spawn(self._watchdog_main, "watchdog")
+            self._spawn(self.completer.run, "completer")
+            self._spawn(self._listen_main, "listener")
             self._claim_loop()
         finally:
             self._shutdown()
@@ -350,7 +353,8 @@ class Worker:
                 self._slot_free.wait(0.1)
         for _ in range(self.config.concurrency):
             self._jobs.put(None)
-        self.completer.stop()
+        if any(t.name == "completer" for t in self._threads):  # not if the start failed before it
+            self.completer.stop()
         # a burst run ends without stop(): end the heartbeat and listener threads (and their connections)
         # too, or every embedded worker run would leave them behind. The listener ends within a second.
         self._halted.set()

@@ -113,6 +113,61 @@ def run_worker_until(dsn: str, predicate: Callable[[], Any], timeout: float = 30
     return w
 
 
+class Held:
+    """What this process holds, taken before an error path and compared after it: its open file descriptors
+    (``/proc/self/fd``, where there is one), its sessions on ``dsn``'s database (``pg_stat_activity``, client
+    backends only) and its threads. ``assert_released`` waits until none of them is above what it was."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.threads = set(threading.enumerate())
+        self.before = self._now()
+
+    @staticmethod
+    def fds() -> list[str]:
+        """This process's open file descriptors, each with what it is (empty where /proc cannot tell)."""
+        folder = Path("/proc/self/fd")
+        if not folder.is_dir():
+            return []
+        out = []
+        for fd in os.listdir(folder):
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+                out.append(f"{fd} -> {os.readlink(folder / fd)}")
+        return out
+
+    def sessions(self) -> list[str]:
+        with db.connect(self.dsn, autocommit=True, application_name="tests-held") as c:
+            rows = c.execute(
+                "SELECT pid, application_name, state FROM pg_stat_activity WHERE datname = current_database()"
+                " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+            ).fetchall()
+        return [f"{r['pid']} {r['application_name']} ({r['state']})" for r in rows]
+
+    def _now(self) -> tuple[list[str], list[str]]:
+        sessions = self.sessions()  # first: its connection is closed when the descriptors are listed
+        return self.fds(), sessions
+
+    def left(self) -> dict[str, Any]:
+        """What is held beyond what was before, if anything."""
+        fds, sessions = self._now()
+        threads = [t.name for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+        left: dict[str, Any] = {}
+        if len(fds) > len(self.before[0]):
+            left["fds"] = sorted(set(fds) - set(self.before[0]))
+        if len(sessions) > len(self.before[1]):
+            left["sessions"] = sorted(set(sessions) - set(self.before[1]))
+        if threads:
+            left["threads"] = threads
+        return left
+
+    def assert_released(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while left := self.left():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still held {timeout:g} s after: {left}")
+            time.sleep(0.1)
+
+
 def job(dsn: str, job_id: uuid.UUID) -> dict[str, Any]:
     """The job's row, read on a fresh connection."""
     with db.connect(dsn, autocommit=True) as c:
