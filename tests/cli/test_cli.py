@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -1392,9 +1393,10 @@ def test_a_command_gives_up_on_a_server_that_stopped_answering(
 ) -> None:
     # TCP still acknowledged (a hung server, a proxy in front of a dead one): `qconsole stats` waited for ever
     from qconsole import cli as cli_module
-    from tests.worker_core.helpers import FreezingProxy
+    from tests.worker_core.helpers import FreezingProxy, Held
 
-    proxy = FreezingProxy.before(dsn)
+    proxy = FreezingProxy.before(dsn, hang_ups=True)
+    held = Held(dsn)
     check = cli_module._check_schema
 
     def then_freeze(*args: Any) -> None:
@@ -1405,6 +1407,8 @@ def test_a_command_gives_up_on_a_server_that_stopped_answering(
     try:
         out = cli("--statement-timeout", "200ms", "stats", "--dsn", proxy.dsn, code=3).output
         assert "ran past 10.4 s in all" in out and "check before running it again" in out
+        proxy.frozen.clear()  # the server hears of the connection's end once the network passes it again
+        held.assert_released()
     finally:
         proxy.frozen.clear()
         proxy.close()
@@ -1459,3 +1463,41 @@ def test_stats_shows_the_jobs_queued_for_later(cli: Any) -> None:
     cells = next(line.split() for line in lines if "t.ok" in line.split())
     assert header[2:4] == ["queued", "later"]
     assert cells[2:4] == ["3", "2"]
+
+
+@pytest.mark.parametrize("how", ["behind-a-lock", "not-migrated", "unreachable", "port-taken"])
+def test_a_command_that_fails_leaves_no_connection_or_file_open(
+    cli: Any, dsn: str, empty_dsn: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each command's error path (its statement timeout, a schema missing, no server, a port it cannot serve on),
+    # run in this process: no descriptor, session or thread of it is left once it exited
+    from tests.worker_core.helpers import Held
+
+    worker = ("worker", "--tasks", "tests.worker_core.tasks", "--burst", "--poll-interval", "0.1")
+    locker = db.connect(dsn)
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = str(taken.getsockname()[1])
+    try:
+        if how == "behind-a-lock":
+            locker.execute("LOCK TABLE job_queue IN ACCESS EXCLUSIVE MODE")
+        target = {"not-migrated": empty_dsn, "unreachable": f"postgresql://postgres@127.0.0.1:{_closed_port()}/x"}
+        monkeypatch.setenv("QCONSOLE_DSN", target.get(how, dsn))
+        held = Held(empty_dsn if how == "not-migrated" else dsn)
+        if how == "port-taken":
+            cli(*worker, "--metrics-port", port, code=2)
+            assert "Address already in use" in cli("metrics", "--port", port, code=2).output
+        else:
+            commands = [("stats",), ("jobs", "--json"), ("kill", str(uuid.uuid4())), ("enqueue", "t.ok")]
+            # (a worker behind the lock runs, and waits: its claims and beats are tried again until it goes)
+            for args in [*commands, *([worker] if how != "behind-a-lock" else [])]:
+                cli("--statement-timeout", "300ms", *args, code=3)
+        held.assert_released()
+    finally:
+        taken.close()
+        locker.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

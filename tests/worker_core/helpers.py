@@ -230,7 +230,7 @@ class FreezingProxy:
     a server that stopped answering (hung, or behind a proxy in front of a dead one), which TCP keepalives
     never notice."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, hang_ups: bool = False) -> None:
         import socket
 
         self.target = (host, port)
@@ -244,7 +244,10 @@ class FreezingProxy:
         self.commits_lost = 0
         #: seconds each chunk waits in each direction: a server that far away (2 x delay of round trip)
         self.delay = 0.0
+        #: a connection's end is passed on, and its sockets closed then (see _pipe); off, as a hung host's
+        self.hang_ups = hang_ups
         self._sockets: list[Any] = []
+        self._sockets_lock = threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -266,12 +269,17 @@ class FreezingProxy:
                 server.connect(f"{host}/.s.PGSQL.{port}")
             else:
                 server = socket.create_connection(self.target)
-            self._sockets += [client, server]
-            pair: dict[str, bool] = {"marked": False}
+            with self._sockets_lock:
+                self._sockets += [client, server]
+            pair: dict[str, Any] = {"marked": False, "ended": 0}
             for a, b, up in ((client, server, True), (server, client, False)):
                 threading.Thread(target=self._pipe, args=(a, b, pair, up), daemon=True).start()
 
-    def _pipe(self, src: Any, dst: Any, pair: dict[str, bool], up: bool) -> None:
+    def _pipe(self, src: Any, dst: Any, pair: dict[str, Any], up: bool) -> None:
+        """One direction of a connection. With ``hang_ups``, its end (the sender closed) is passed on as a
+        network would, and once both directions ended the proxy's two sockets are closed; without (as a hung
+        host's network), the other side never hears of it, and the proxy keeps its two descriptors (and the
+        server its session) until cut(): a test counting what an error path leaves open counted those."""
         try:
             while data := src.recv(65536):
                 while self.frozen.is_set():
@@ -293,13 +301,33 @@ class FreezingProxy:
                 dst.sendall(data)
         except OSError:
             pass
+        finally:
+            if self.hang_ups:
+                self._ended(src, dst, pair)
+
+    def _ended(self, src: Any, dst: Any, pair: dict[str, Any]) -> None:
+        import socket
+
+        while self.frozen.is_set() and not self.down.is_set():
+            time.sleep(0.05)  # nothing passes a frozen network, its end neither
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+        with self._sockets_lock:
+            pair["ended"] += 1
+            both = pair["ended"] == 2
+            if both:
+                self._sockets = [x for x in self._sockets if x is not src and x is not dst]
+        if both:
+            src.close()
+            dst.close()
 
     def cut(self) -> None:
         """The database goes away: the connections through the proxy break, new ones are refused."""
         import socket
 
         self.down.set()
-        sockets, self._sockets = self._sockets, []
+        with self._sockets_lock:
+            sockets, self._sockets = self._sockets, []
         for sock in sockets:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -312,9 +340,9 @@ class FreezingProxy:
         self.listener.close()
 
     @classmethod
-    def before(cls, dsn: str) -> FreezingProxy:
+    def before(cls, dsn: str, hang_ups: bool = False) -> FreezingProxy:
         """A proxy in front of ``dsn``'s server; its own DSN in ``dsn``."""
         params = conninfo_to_dict(dsn)
-        proxy = cls(str(params.get("host") or "127.0.0.1"), int(str(params.get("port") or 5432)))
+        proxy = cls(str(params.get("host") or "127.0.0.1"), int(str(params.get("port") or 5432)), hang_ups)
         proxy.dsn = make_conninfo(dsn, host="127.0.0.1", port=proxy.port)
         return proxy
