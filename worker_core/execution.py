@@ -73,6 +73,9 @@ ABANDONED = "the job was abandoned after its timeout"
 GROUP_CONNECTION_LOST = "the connection of the group's transaction was lost"
 #: how long a slot waits before it gives back the jobs of a group the database failed (they come back to it)
 OUTAGE_PAUSE = 0.5
+#: how long a group's settlement waits for a job's row another transaction holds (an operator's open
+#: transaction), at most a third of the group's shortest lease: then the group is rolled back and given back
+SETTLE_LOCK_WAIT_SECONDS = 5.0
 
 
 @dataclass(eq=False)
@@ -305,6 +308,13 @@ def array_literal(values: Any) -> str:
     """``{a,b,c}`` for a list of uuids or ints, cast in SQL (``%(ids)s::uuid[]``): for the batches of the hot
     path, psycopg's per-element list adaptation costs more than the statement."""
     return "{" + ",".join(map(str, values)) + "}"
+
+
+def _lock_wait(jobs: list[Execution]) -> str:
+    """How long a group's settlement waits for a row lock (ms, as text for set_config): SETTLE_LOCK_WAIT_SECONDS,
+    at most a third of the shortest lease among ``jobs`` (the rows it has locked meanwhile are not extended)."""
+    shortest = min((ex.job["visibility_timeout_seconds"] for ex in jobs), default=SETTLE_LOCK_WAIT_SECONDS * 3)
+    return str(max(1, int(1000 * min(SETTLE_LOCK_WAIT_SECONDS, shortest / 3))))
 
 
 def settle_many_params(worker: Worker, batch: list[Execution]) -> dict[str, Any]:
@@ -771,6 +781,9 @@ class Slot:
         self._conn: JobConnection | None = None
         #: set while giving a group back, once the database could not be reached (see _write)
         self._unreachable = False
+        #: set while giving back a group that a held row held up (_held_up): how long each of its settlements
+        #: waits for a row lock (ms, text), tried again until the job's lease would have run out (see _write)
+        self._lock_wait: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aconn: db.AsyncConn | None = None
         #: a handler is running on this slot's thread (see JobConnection)
@@ -1520,7 +1533,12 @@ class Slot:
             return
         conn = self.conn
         if effects:
-            rows = conn.execute(queries["settle_succeeded_many"], settle_many_params(w, effects)).fetchall()
+            params = {**settle_many_params(w, effects), "lock_wait": _lock_wait(effects)}
+            try:
+                rows = conn.execute(queries["settle_group"], params).fetchall()
+            except psycopg.errors.LockNotAvailable:
+                self._held_up(group)
+                return
             if len(rows) < len(effects):
                 # a job was killed since the last beat, or a lease was lost (the worker could not heartbeat
                 # for a whole visibility timeout): the group commits nothing; a killed job is settled
@@ -1553,6 +1571,36 @@ class Slot:
             finally:
                 self._finish(ex, ex.started)
                 self._leave(group, [ex])
+
+    def _held_up(self, group: Group) -> None:
+        """The group's settlement waited its bound for a job's row another transaction holds (an operator's
+        open transaction, say): the group is rolled back, nothing of it committed (its effects and records
+        are gone: run again, they happen once), and its jobs are given back uncharged, those whose rows are
+        free first. A held one is given back once its row is free, waiting for it a bound at a time; still
+        held when its lease would have run out, it is left to its lease (README, "Leases"). Waiting instead
+        for as long as the other transaction stayed open held the slot, the group's idempotency records (a
+        job with one of those keys waited too) and the rows its handlers wrote."""
+        self._rollback()
+        jobs = [*group.effects, *(ex for ex, _ in group.failed)]
+        lock_wait = _lock_wait(jobs)
+        ids = array_literal([ex.job["id"] for ex in jobs])
+        try:
+            with self.conn.transaction():
+                held = {r["id"] for r in self.conn.execute(queries["rows_held_elsewhere"], {"ids": ids})}
+        except psycopg.Error:
+            self.reset()
+            held = set()
+        self.w.log.warning(
+            "a group's settlement waited %s ms for a row another transaction holds (%s): rolled back, its %s"
+            " job(s) given back", lock_wait, ", ".join(sorted(map(str, held))) or "free by now", len(jobs),
+        )  # fmt: skip
+        group.effects.sort(key=lambda ex: ex.job["id"] in held)  # the free ones first: the others wait
+        group.failed.sort(key=lambda f: f[0].job["id"] in held)
+        self._lock_wait = lock_wait
+        try:
+            self._give_back_group(group)
+        finally:
+            self._lock_wait = None
 
     def _fence(self, ex: Execution) -> dict[str, Any]:
         return {
@@ -2098,15 +2146,25 @@ class Slot:
         # retries each (their leases expire and another worker takes them)
         deadline = 0.0 if self._unreachable else time.monotonic() + ex.job["visibility_timeout_seconds"]
         backoff = 0.1
+        lock_wait = self._lock_wait
         while True:
             try:
                 with self.conn.transaction():
+                    if lock_wait is not None:
+                        self.conn.execute(queries["bound_lock_wait"], {"lock_wait": lock_wait})
                     row = self.conn.execute(query, params).fetchone()
                 if row is None:
                     ex.ctx.logger.warning("job no longer held by this worker: not settled")
                     return False
                 return row
             except psycopg.Error as e:
+                if lock_wait is not None and isinstance(e, psycopg.errors.LockNotAvailable):
+                    # its row is still held (see _held_up): tried again, a bound at a time, until its lease
+                    # would have run out (or the worker stops)
+                    if time.monotonic() > deadline or self.w.stopping:
+                        ex.ctx.logger.warning("its row is held by another transaction: not settled, left to its lease")
+                        return None
+                    continue
                 self.reset()
                 if time.monotonic() + backoff > deadline or not _is_db_error(e):
                     ex.ctx.logger.error("could not settle the job: %s", db.redact(str(e).strip(), self.w.dsn))

@@ -783,3 +783,45 @@ def test_a_surplus_job_killed_since_the_claim_is_kept_and_never_runs(dsn: str, c
     assert [r["id"] for r in kept] == [*ids[:4], ids[5]]  # kept: the heartbeat sees the kill
     assert [state(dsn, j) for j in ids] == ["running"] * 4 + ["queued", "running"]
     assert job(dsn, ids[5])["cancel_requested"]
+
+
+def test_a_group_whose_settlement_meets_a_held_row_waits_a_bounded_time(
+    dsn: str, conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an operator's open transaction holds the row of one job of a group: the group's settlement waited for it
+    # as long as it stayed open, and with it the slot, the group's idempotency records (every job with one of
+    # those keys waited on it in turn) and the rows its handlers wrote. Now it waits a few seconds, rolls the
+    # group back (nothing of it committed: its jobs run again and their effects happen once) and gives its
+    # jobs back; the held one is left to its lease, and runs once the operator lets go
+    from worker_core import execution
+
+    monkeypatch.setattr(execution, "SETTLE_LOCK_WAIT_SECONDS", 1.0)
+    lease = {"timeout_seconds": 1, "visibility_timeout_seconds": 7}
+    ids = [
+        enqueue(conn, "t.ledger", {"item": f"i{i}", "sleep": 0.8 if i == 0 else 0}, idempotency_key=f"held{i}",
+                **lease).id
+        for i in range(4)
+    ]  # fmt: skip
+    held = ids[3]
+    operator = db.connect(dsn)
+    # two slots: one gives the held job back, as soon as its row is free, the other runs the rest again
+    wt = WorkerThread(dsn, **{**ONE_GROUP, "concurrency": 2, "burst": False, "heartbeat_interval": 0.2})
+    wt.worker.observe_handler("t.ledger", 0.01)
+    wt.start()
+    try:
+        wait_for(lambda: all(state(dsn, j) == "running" for j in ids), 10, what="the group to be claimed")
+        operator.execute("SELECT 1 FROM job_queue WHERE id = %s FOR UPDATE", (held,))
+        wait_for(lambda: all(state(dsn, j) == "succeeded" for j in ids[:3]), 10,
+                 what="the others to be settled while the row is held")  # fmt: skip
+        # the held job's effect and record went with the group's rollback; its lease is left to run out
+        assert state(dsn, held) == "running"
+        assert conn.execute("SELECT count(*) AS n FROM processed_keys WHERE idempotency_key = 'held3'").fetchone() == {
+            "n": 0
+        }
+        operator.rollback()
+        wait_for(lambda: state(dsn, held) == "succeeded", 20, what="the held job to run once the lock goes")
+    finally:
+        operator.close()
+        wt.stop()
+    assert sorted(r["item"] for r in ledger(dsn)) == ["i0", "i1", "i2", "i3"]  # each effect once
+    assert [job(dsn, j)["errors"] for j in ids] == [[]] * 4  # given back, never charged

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 
 from tests.worker_core.helpers import TASKS
@@ -444,7 +446,8 @@ def test_settling_and_heartbeats_find_the_running_jobs_by_id_not_through_the_run
     one = {"id": claimed[0]["id"], "attempt": claimed[0]["attempts"], "worker": w.id, "now": w.clock.now(),
            "state": "failed", "scheduled_at": w.clock.now(), "error": "{}", "last_error": "x", "fingerprint": "x"}
     singles = [(name, one) for name in ("settle_succeeded", "settle_error", "release_job")]
-    for name, args in [("settle_succeeded_many", params), ("heartbeat_jobs", beat), *singles]:
+    group = {**params, "lock_wait": "5000"}
+    for name, args in [("settle_succeeded_many", params), ("settle_group", group), ("heartbeat_jobs", beat), *singles]:
         plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN " + queries[name], args))
         assert "job_queue_pkey" in plan and "job_queue_running_idx" not in plan, plan
     # still fenced per job: one whose attempt moved on is not settled
@@ -452,6 +455,34 @@ def test_settling_and_heartbeats_find_the_running_jobs_by_id_not_through_the_run
     settled = conn.execute(queries["settle_succeeded_many"], settle_many_params(w, batch)).fetchall()
     assert {r["id"] for r in settled} == {r["id"] for r in claimed[1:]}
     assert row(conn, claimed[0]["id"])["state"] == "running"
+
+
+def test_a_groups_settlement_bounds_its_own_wait_and_puts_the_transactions_lock_timeout_back(
+    dsn: str, conn: db.Conn, claimers: Any
+) -> None:
+    # the bound is the settlement's: a handler's SET LOCAL lock_timeout (for its deferred triggers) holds at the
+    # COMMIT after it, and a session without one has none after it
+    from worker_core.execution import Execution, settle_many_params
+
+    seed(conn, 3)
+    w = claimers()
+    batch = [Execution(job=r, ctx=None) for r in w.claim(3)]  # type: ignore[arg-type]
+    params = {**settle_many_params(w, batch[:2]), "lock_wait": "300"}
+    with db.connect(dsn) as slot:
+        slot.execute("SET LOCAL lock_timeout = '7s'")
+        assert len(slot.execute(queries["settle_group"], params).fetchall()) == 2
+        assert slot.execute("SHOW lock_timeout").fetchone() == {"lock_timeout": "7s"}
+        slot.rollback()
+        with db.connect(dsn) as operator:
+            operator.execute("SELECT 1 FROM job_queue WHERE id = %s FOR UPDATE", (batch[1].job["id"],))
+            started = time.monotonic()
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                slot.execute(queries["settle_group"], params)
+            assert time.monotonic() - started < 5
+            slot.rollback()
+        params = {**settle_many_params(w, batch[2:]), "lock_wait": "300"}
+        assert len(slot.execute(queries["settle_group"], params).fetchall()) == 1
+        assert slot.execute("SHOW lock_timeout").fetchone() == {"lock_timeout": "0"}
 
 
 def test_a_limited_types_job_is_not_claimed_behind_the_whole_unlimited_backlog(conn: db.Conn, claimers: Any) -> None:

@@ -134,12 +134,13 @@ def _settle_params(ids: list[uuid.UUID]) -> dict[str, Any]:
         "worker": WORKER,
         "ids": array_literal(ids),
         "fences": array_literal([f"{i}/1" for i in ids]),
+        "lock_wait": "30000",  # its bound (Slot._commit_group): well past the moment the third one holds a row
     }
 
 
 @pytest.mark.parametrize("victim", ["heartbeat", "group_settlement"])
 def test_group_settlement_and_heartbeat_do_not_deadlock(dsn: str, victim: str) -> None:
-    """A group of 3 jobs settles (Slot._commit_group: settle_succeeded_many, then COMMIT) while its worker's
+    """A group of 3 jobs settles (Slot._commit_group: settle_group, then COMMIT) while its worker's
     heartbeat extends the leases of its 12 jobs in flight (the group's 3 among them).
 
     uuid order A < D < B; heap order B, E, A, D, then 8 more. The settlement (3 ids, Index Scan) locks A, D,
@@ -153,7 +154,7 @@ def test_group_settlement_and_heartbeat_do_not_deadlock(dsn: str, victim: str) -
         _fill(admin)
         group = [a, d, b]  # in whatever order the worker lists them: the plan sorts them
         in_flight = [a, b, d, e, *others]
-        settle_plan = _plan(admin, queries["settle_succeeded_many"], _settle_params(group))
+        settle_plan = _plan(admin, queries["settle_group"], _settle_params(group))
         beat_plan = _plan(admin, queries["heartbeat_jobs"], _heartbeat_params(in_flight))
         assert "Index Scan using job_queue_pkey" in settle_plan, settle_plan
         assert "Bitmap Heap Scan" in beat_plan, beat_plan
@@ -163,7 +164,7 @@ def test_group_settlement_and_heartbeat_do_not_deadlock(dsn: str, victim: str) -
         held = d if victim == "heartbeat" else e
         with db.connect(dsn) as third:
             third.execute("SELECT 1 FROM job_queue WHERE id = %s FOR NO KEY UPDATE", (held,))
-            settle = Stmt(dsn, queries["settle_succeeded_many"], _settle_params(group))
+            settle = Stmt(dsn, queries["settle_group"], _settle_params(group))
             beat = Stmt(dsn, queries["heartbeat_jobs"], _heartbeat_params(in_flight))
             first, second = (settle, beat) if victim == "heartbeat" else (beat, settle)
             first.start()
@@ -245,7 +246,7 @@ def test_operator_kill_of_many_and_a_group_settlement_do_not_deadlock(dsn: str) 
         group = [a, d, b]
         doomed = [b, e, a, d, *others]
         now = dt.datetime.now(dt.timezone.utc)
-        settle_plan = _plan(admin, queries["settle_succeeded_many"], _settle_params(group))
+        settle_plan = _plan(admin, queries["settle_group"], _settle_params(group))
         assert "Index Scan using job_queue_pkey" in settle_plan
         assert "Bitmap Heap Scan" in _plan(admin, queries["kill_jobs"], {"ids": doomed, "now": now, "message": "m"})
 
@@ -253,7 +254,7 @@ def test_operator_kill_of_many_and_a_group_settlement_do_not_deadlock(dsn: str) 
 
         with db.connect(dsn) as third:
             third.execute("SELECT 1 FROM job_queue WHERE id = %s FOR NO KEY UPDATE", (d,))
-            settle = Stmt(dsn, queries["settle_succeeded_many"], _settle_params(group))
+            settle = Stmt(dsn, queries["settle_group"], _settle_params(group))
             settle.start()
             wait_for(lambda: _waiting(admin, settle.pid), what="the settlement to wait on D")
             killer.start()

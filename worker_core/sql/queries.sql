@@ -417,14 +417,53 @@ RETURNING id;
 -- Rows locked in id order first (see "Lock order" above heartbeat_jobs).
 WITH held AS MATERIALIZED (
     SELECT j.id FROM job_queue j
-    WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
-      AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[]) AND NOT j.cancel_requested  -- settle_succeeded
+    WHERE {{ours_to_settle}}
     ORDER BY j.id FOR NO KEY UPDATE
 )
+{{settled_succeeded}};
+
+-- name: fragment_ours_to_settle
+-- the jobs of ids still running under this worker at their attempts (fences), not killed: settle_succeeded's
+-- fence, per job
+j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
+      AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[]) AND NOT j.cancel_requested
+
+-- name: fragment_settled_succeeded
 UPDATE job_queue j SET
     state = 'succeeded', finished_at = %(now)s, locked_until = NULL, updated_at = %(now)s, suspect = false
 WHERE j.id = ANY(ARRAY(SELECT id FROM held))
-RETURNING j.id;
+RETURNING j.id
+
+-- name: settle_group
+-- settle_succeeded_many for a group's commit (Slot._commit_group), waiting at most lock_wait (ms, text) for a
+-- row another transaction holds: behind an operator's open transaction on one job's row it waited as long as
+-- that stayed open, and held meanwhile its slot, the group's idempotency records and the rows its handlers
+-- wrote (whatever needed those waited too). Past the bound it fails (LockNotAvailable) and the group is
+-- rolled back and given back (Slot._held_up). The bound is set before the first row is locked (the held
+-- CTE's one-time condition) and the transaction's own lock_timeout (a handler's SET LOCAL, for its deferred
+-- triggers at COMMIT) is put back after the rows are settled.
+WITH bound AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS was, set_config('lock_timeout', %(lock_wait)s, true) AS bound
+), held AS MATERIALIZED (
+    SELECT j.id FROM job_queue j
+    WHERE {{ours_to_settle}}
+      AND (SELECT bound IS NOT NULL FROM bound)
+    ORDER BY j.id FOR NO KEY UPDATE
+), settled AS (
+    {{settled_succeeded}}
+)
+SELECT id FROM settled WHERE set_config('lock_timeout', (SELECT was FROM bound), true) IS NOT NULL;
+
+-- name: rows_held_elsewhere
+-- Of ids, those whose row another transaction holds locked now (Slot._held_up): the others are locked a moment
+-- and let go with the transaction.
+SELECT id FROM unnest(%(ids)s::uuid[]) AS t(id)
+WHERE id NOT IN (SELECT j.id FROM job_queue j WHERE j.id = ANY(%(ids)s::uuid[]) FOR NO KEY UPDATE SKIP LOCKED);
+
+-- name: bound_lock_wait
+-- For the rest of the transaction, a lock is waited for lock_wait (ms, text) at most (Slot._write, after a
+-- group was held up).
+SELECT set_config('lock_timeout', %(lock_wait)s, true);
 
 -- name: settle_succeeded_available
 -- settle_succeeded_many for the completer (Completer._flush), waiting on no row lock: a row another
