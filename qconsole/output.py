@@ -25,7 +25,7 @@ from worker_core.models import (
     to_jsonable,
 )
 from worker_core.ops import WORKER_ACTIONS
-from worker_core.stats import LOST_AFTER_SECONDS, JobHolders, expired_lease_fate
+from worker_core.stats import LOST_AFTER_SECONDS, JobHolders, expired_lease_fate, unserved
 
 #: piped output is for scripts and logs: never squeeze it to 80 columns
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
@@ -210,18 +210,23 @@ def overview(ov: Overview, as_json: bool) -> None:
     console.print(t)
     paused = [q.name for q in ov.queues if q.paused]
     console.print(f"workers alive: {ov.workers_alive}" + (f"   paused: {', '.join(paused)}" if paused else ""))
+    nobody = [f"{s.job_type} in {s.queue}" for s in ov.types if unserved(s)]
+    if nobody:
+        # their jobs wait for ever: only the lag said anything
+        console.print(Text(printable(f"no live worker runs: {', '.join(nobody)}")))
 
 
 def workers(rows: list[WorkerInfo], as_json: bool) -> None:
     if as_json:
         _json(rows)
         return
-    t = Table("id", "host", "pid", "queues", "conc", "in flight", "last heartbeat", "status", box=None, pad_edge=False)
+    t = Table("id", "host", "pid", "queues", "conc", "in flight", "last heartbeat", "status", "job types", box=None,
+              pad_edge=False)  # fmt: skip
     for w in rows:
         status = "stopped" if w.stopped_at else ("LOST" if w.lost else "alive")
         _row(t,
             w.id, w.host, str(w.pid), ",".join(w.queues or ["*"]), str(w.concurrency), str(w.in_flight),
-            ts(w.last_heartbeat_at), status,
+            ts(w.last_heartbeat_at), status, ",".join(w.tasks) or "-",
         )  # fmt: skip
     console.print(t)
 

@@ -221,6 +221,12 @@ class TypeStats:
     #: over the window, per job started: queue latency (due to start) and handler duration, in seconds
     latency_avg_seconds: float = 0.0
     duration_avg_seconds: float = 0.0
+    #: the live workers (heartbeat within stats.LOST_AFTER_SECONDS, not stopped) that claim this type in this
+    #: queue (it is in their tasks, the queue in their queues or they take every queue); None: not known.
+    #: 0 with jobs waiting: nothing will run them (stats.unserved)
+    live_workers: int | None = None
+    #: the lost workers (heartbeat stopped, no goodbye) that did claim it: where its workers went
+    lost_workers: int = 0
 
     @property
     def waiting(self) -> int:

@@ -67,6 +67,8 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
         limit_rows = conn.execute(queries["limits_list"]).fetchall()
         worker_rows = workers(conn, clock)
     paused = {q["name"] for q in queue_rows if q["paused"]}
+    live = [w for w in worker_rows if w.stopped_at is None and not w.lost]
+    lost = [w for w in worker_rows if w.lost]
     type_limits = {(r["job_type"], r["queue"]): r["max_running"] for r in limit_rows}
     types = []
     # the window holds its full minutes and the current one so far: a rate divides by that time, not by
@@ -106,6 +108,8 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
                 idempotency_hits=int(w.get("idempotency_hits") or 0),
                 latency_avg_seconds=float(w.get("latency_ms_sum") or 0) / 1000 / started if started else 0.0,
                 duration_avg_seconds=float(w.get("duration_ms_sum") or 0) / 1000 / started if started else 0.0,
+                live_workers=sum(1 for x in live if claims(x, key[0], key[1])),
+                lost_workers=sum(1 for x in lost if claims(x, key[0], key[1])),
             )
         )
     waiting: dict[str, int] = defaultdict(int)
@@ -136,10 +140,22 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
         at=now,
         types=types,
         queues=queues_info,
-        workers_alive=sum(1 for w in worker_rows if not w.lost and w.stopped_at is None),
+        workers_alive=len(live),
         window_minutes=window_minutes,
         throughput=dict(throughput),
     )
+
+
+def claims(worker: WorkerInfo, queue: str, job_type: str) -> bool:
+    """Whether ``worker`` claims jobs of ``job_type`` in ``queue``: the type is one of the tasks it registered,
+    and the queue one of its queues (none named: every queue), as its claim filters them."""
+    return job_type in (worker.tasks or ()) and (not worker.queues or queue in worker.queues)
+
+
+def unserved(t: TypeStats) -> bool:
+    """Jobs of the row wait and no live worker claims its type in its queue: nothing will run them (its lag only
+    climbs). Not said of a paused queue or a type held by a limit of 0, which say why they wait already."""
+    return t.live_workers == 0 and t.waiting > 0 and not t.paused and t.concurrency_limit != 0
 
 
 def series(

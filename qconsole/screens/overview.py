@@ -17,6 +17,10 @@ from qconsole.screens.base import ConsoleScreen
 from qconsole.widgets import fmt
 from qconsole.widgets.table import LiveTable, cell, opening_table
 from worker_core.models import TypeStats
+from worker_core.stats import unserved
+
+#: a row whose jobs wait with no live worker that claims its type in its queue: nothing will run them
+NO_WORKER = "∅"
 
 COLUMNS = [
     ("mark", "", 2),
@@ -43,8 +47,9 @@ class OverviewScreen(ConsoleScreen):
     HELP = (
         "Per queue and job type. wait: queued jobs due now (+N: scheduled later). lag: the age of the type's"
         " oldest job due and waiting. ▲ marks lag or DLQ rate over its threshold; ⏸ a paused queue; ⏸0 a type"
-        " held by a limit of 0, ≤N one limited to N running. Sparklines: the type's jobs done per minute; the"
-        " queue's average wait to start (its last point: the oldest waiting job's age)."
+        " held by a limit of 0, ≤N one limited to N running; ∅ a type whose jobs wait and no live worker runs it"
+        " in that queue. Sparklines: the type's jobs done per minute; the queue's average wait to start (its last"
+        " point: the oldest waiting job's age)."
     )
 
     BINDINGS = [
@@ -102,6 +107,11 @@ class OverviewScreen(ConsoleScreen):
             bad = lag_bad or dlq_bad
             st = warn if bad else ""
             queue = fmt.clip(t.queue, 16 if wide else 8) + (f" {fmt.PAUSED}" if t.paused else "")
+            # its jobs wait for a worker that does not exist: only the lag said anything, climbing
+            nobody = unserved(t)
+            marks = (f" {fmt.limit_mark(t.concurrency_limit)}" if t.concurrency_limit is not None else "") + (
+                f" {NO_WORKER}" if nobody else ""
+            )
             rows.append(
                 (
                     row_key(t),
@@ -109,11 +119,7 @@ class OverviewScreen(ConsoleScreen):
                         cell(fmt.WARN if bad else fmt.OK, style=st),
                         cell(queue, style=st),
                         # a limit of 0 held the type with nothing to say so: "run 4" for a minute, no worker
-                        cell(
-                            fmt.clip(t.job_type, 30 if wide else 16)
-                            + (f" {fmt.limit_mark(t.concurrency_limit)}" if t.concurrency_limit is not None else ""),
-                            style=st,
-                        ),
+                        cell(fmt.clip(t.job_type, 30 if wide else 16) + marks, style=warn if nobody else st),
                         # due now, and those scheduled later apart: "wait 20" counted jobs due in 30 days
                         cell(
                             fmt.count(t.queued_due) + (f" +{fmt.count(t.queued_later)}" if t.queued_later else ""),
@@ -151,6 +157,9 @@ class OverviewScreen(ConsoleScreen):
         th = self.qapp.thresholds
         t = Text(no_wrap=True, overflow="ellipsis")
         t.append(f" workers alive {ov.workers_alive}", style="bold")
+        nobody = sorted({x.job_type for x in ov.types if unserved(x)})
+        if nobody:
+            t.append(f" │ {NO_WORKER} no live worker runs: {', '.join(nobody)}", style="bold")
         paused = [q.name for q in ov.queues if q.paused]
         t.append(f" │ queues {len(ov.queues)}")
         if paused:
@@ -208,6 +217,18 @@ class OverviewScreen(ConsoleScreen):
         line.append(f" {fmt.clip(t.job_type, max(16, width // 3))} @ {fmt.clip(t.queue, 16)}", style="bold")
         bold = "bold"
         parts: list[tuple[str, str]] = []
+        if unserved(t):
+            # first: what explains the lag. The names in full where they fit, else the row's own at the start
+            if self.data is not None and self.data.overview.workers_alive == 0:
+                parts.append((f"{NO_WORKER} no live worker at all", bold))
+            else:
+                said = f"{NO_WORKER} no live worker runs {t.job_type} in {t.queue}"
+                if len(said) + 3 > width - line.cell_len:
+                    said = f"{NO_WORKER} no live worker runs it here"
+                parts.append((said, bold))
+            if t.lost_workers:  # where its workers went
+                lost = "its worker is lost" if t.lost_workers == 1 else f"its {t.lost_workers} workers are lost"
+                parts.append((f"{lost} (w)", bold))
         if self.over_lag(t):
             parts.append((f"{fmt.WARN} lag over {fmt.duration(th.lag_seconds)}", bold))
         if self.over_dlq(t):

@@ -28,6 +28,7 @@ COLUMNS = [
     ("conc", "slots", None),
     ("busy", "claimed", None),
     ("beat", "heartbeat", None),
+    ("types", "runs", None),
 ]
 LOG_LINES = 200
 
@@ -40,12 +41,18 @@ def db_state(w: WorkerInfo) -> str:
     return "● live"
 
 
+def runs(w: WorkerInfo) -> str:
+    """The job types a worker registered (``workers.tasks``): what it claims, in its queues."""
+    return ",".join(w.tasks) or "-"
+
+
 class WorkersScreen(ConsoleScreen):
     TITLE_TEXT = "Workers"
     HELP = (
         "Workers and their heartbeats, running ones first; a worker whose heartbeat stopped is LOST. slots: jobs"
         " it runs at once; claimed: jobs it holds leased, running in its slots or prefetched to start next (up"
-        " to slots + prefetch, 2 x slots by default, more for groups of fast jobs). s/x start/stop embedded ones."
+        " to slots + prefetch, 2 x slots by default, more for groups of fast jobs). runs: the job types it"
+        " registered (all of the selected worker's below the table). s/x start/stop embedded ones."
     )
 
     BINDINGS = [
@@ -82,6 +89,9 @@ class WorkersScreen(ConsoleScreen):
         self.embedded = launcher.workers() if launcher is not None else []
         now = self.qapp.clock.now()
         by_pid = {(w.host, w.pid): w for w in self.db_workers}
+        #: what is left of the width once the other columns are drawn (13 at 80 columns): the selected worker's
+        #: job types are all said below the table
+        types_width = max(12, (self.size.width or 80) - 68)
         rows: list[tuple[str, list[Text]]] = []
         #: running workers first, then the ones that ended: a live worker sat below ten stopped rows
         ended: list[tuple[str, list[Text]]] = []
@@ -107,6 +117,7 @@ class WorkersScreen(ConsoleScreen):
                         cell(e.concurrency, right=True),
                         cell(info.in_flight if info else "-", right=True),
                         cell(fmt.ago(info.last_heartbeat_at, now) if info else "-", right=True),
+                        cell(fmt.clip(runs(info), types_width) if info else "-"),
                     ],
                 )
             )
@@ -124,6 +135,7 @@ class WorkersScreen(ConsoleScreen):
                         cell(w.concurrency, right=True),
                         cell(w.in_flight, right=True),
                         cell(fmt.ago(w.last_heartbeat_at, now), right=True),
+                        cell(fmt.clip(runs(w), types_width)),
                     ],
                 )
             )
@@ -141,6 +153,19 @@ class WorkersScreen(ConsoleScreen):
         self.query_one("#wk-summary", Static).update(t)
         self._paint_log()
 
+    def info_of(self, e: EmbeddedWorker) -> WorkerInfo | None:
+        """The worker row of a running embedded worker (its process's), once it has registered."""
+        if e.pid is None or not e.running:
+            return None
+        return next((w for w in self.db_workers if (w.host, w.pid) == (e.host, e.pid)), None)
+
+    def selected_db(self) -> WorkerInfo | None:
+        """The worker (not an embedded one of this console's) under the cursor."""
+        key = self.query_one(LiveTable).cursor_key
+        if key is None or not key.startswith("db:"):
+            return None
+        return next((w for w in self.db_workers if w.id == key[3:]), None)
+
     def selected_embedded(self) -> EmbeddedWorker | None:
         key = self.query_one(LiveTable).cursor_key
         if key is None or not key.startswith("emb:"):
@@ -157,20 +182,32 @@ class WorkersScreen(ConsoleScreen):
         title = self.query_one("#wk-log-title", Static)
         log = self.query_one("#wk-log", Log)
         if e is None:
-            state: tuple[Any, ...] = (None,)
+            w = self.selected_db()
+            # what the worker runs, all of it (the table's column is cut at 80 columns): the first thing to
+            # look up when a type's jobs wait and nothing runs them
+            said = (w.id, runs(w), tuple(w.queues or ())) if w is not None else None
+            state: tuple[Any, ...] = (None, said)
             if state != self._log_state:
                 self._log_state = state
-                title.update(Text(" output: select an embedded worker (emb#) to read its output"))
+                line = Text(no_wrap=True, overflow="ellipsis")
+                if w is not None:
+                    line.append(f" {w.host}:{w.pid} runs {runs(w)}", style="bold")
+                    line.append(f" in {','.join(w.queues) if w.queues else 'every queue'} │ ")
+                line.append("output: select an embedded worker (emb#) to read its output")
+                title.update(line)
                 log.clear()
             return
         lines = e.tail(LOG_LINES)
-        state = (e.number, len(e.output), lines[-1] if lines else "", e.status)
+        info = self.info_of(e)
+        state = (e.number, len(e.output), lines[-1] if lines else "", e.status, runs(info) if info else None)
         if state == self._log_state:
             return
         self._log_state = state
         head = Text(no_wrap=True, overflow="ellipsis")
         head.append(f" output of emb#{e.number}", style="bold")
         head.append(f" │ {e.status} │ tasks {','.join(e.tasks)}")
+        if info is not None:
+            head.append(f" │ runs {runs(info)}")
         if e.restarts:
             head.append(f" │ restarted {e.restarts} time(s)")
         if e.log_path is not None:

@@ -513,6 +513,21 @@ def test_the_audit_table_says_which_embedded_worker_was_started_or_stopped(cli: 
     assert [(e["action"], e["detail"]["number"]) for e in entries] == [("worker_stop", 2), ("worker_start", 3)]
 
 
+def test_stats_says_which_waiting_types_no_live_worker_runs(cli: Any, conn: db.Conn) -> None:
+    # a type no live worker runs only showed its lag; `qconsole workers` did not say which types a worker runs
+    conn.execute(
+        "INSERT INTO workers (id, host, pid, queues, tasks, concurrency) VALUES ('h:1:a', 'h', 1, NULL, '{t.ok}', 4)"
+    )
+    cli("enqueue", "sms.send", "--queue", "mail")
+    cli("enqueue", "t.ok", "--queue", "mail")
+    out = cli("stats").stdout
+    assert "no live worker runs: sms.send in mail" in out, out
+    types = {(t["queue"], t["job_type"]): t for t in json.loads(cli("stats", "--json").stdout)["types"]}
+    assert (types[("mail", "sms.send")]["live_workers"], types[("mail", "t.ok")]["live_workers"]) == (0, 1)
+    [worker] = [line for line in cli("workers").stdout.splitlines() if "h:1:a" in line]
+    assert worker.split()[-1] == "t.ok", worker  # its job types
+
+
 def test_enqueue_of_a_type_no_worker_registered_says_whose_defaults_apply(cli: Any) -> None:
     # the README's own sequence (migrate, enqueue, then start the worker) put the job in queue default under
     # the deployment's defaults, without a word, while the type's @task says billing

@@ -138,20 +138,23 @@ class FakeBackend:
             TypeStats("default", "email.send", queued=41, running=4, retry_scheduled=12, dead_lettered=23,
                       oldest_waiting_seconds=185, throughput_per_min=18.4, dlq_per_min=1.3,
                       lease_expirations_per_min=0.0, retries_per_min=6.1, retries=92, timeouts=3, anomalies=1,
-                      latency_avg_seconds=41.5, duration_avg_seconds=0.35),
+                      latency_avg_seconds=41.5, duration_avg_seconds=0.35, live_workers=1),
             TypeStats("default", "invoice.generate", queued=3, running=2, throughput_per_min=9.7, concurrency_limit=2,
-                      oldest_waiting_seconds=2, retries_per_min=0.2, retries=3, dedup_hits=4, idempotency_hits=2),
+                      oldest_waiting_seconds=2, retries_per_min=0.2, retries=3, dedup_hits=4, idempotency_hits=2,
+                      live_workers=1),
             TypeStats("default", "report.build", queued=1, running=2, retry_scheduled=1, failed=0,
                       oldest_waiting_seconds=12, throughput_per_min=0.8, lease_expirations_per_min=0.4,
-                      lease_expirations=6, timeouts=2),
-            TypeStats("mail", "email.send", queued=120, paused=True, oldest_waiting_seconds=940),
-            TypeStats("media", "image.resize", queued=0, running=1, failed=4, dead_lettered=2,
-                      throughput_per_min=2.2, dlq_per_min=0.13, lease_expirations_per_min=0.27),
+                      lease_expirations=6, timeouts=2, live_workers=1),
+            TypeStats("mail", "email.send", queued=120, paused=True, oldest_waiting_seconds=940, live_workers=1),
+            # its only worker (web-2:77) is lost: the new jobs wait
+            TypeStats("media", "image.resize", queued=3, running=1, failed=4, dead_lettered=2,
+                      oldest_waiting_seconds=95, throughput_per_min=2.2, dlq_per_min=0.13,
+                      lease_expirations_per_min=0.27, live_workers=0, lost_workers=1),
         ]  # fmt: skip
         queues = [
             QueueInfo("default", False, 74, 8),
             QueueInfo("mail", True, 120, 0, changed_by="alice", changed_at=ago(1200)),
-            QueueInfo("media", False, 0, 1),
+            QueueInfo("media", False, 3, 1),
         ]
         ov = Overview(
             at=T0,

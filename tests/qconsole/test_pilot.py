@@ -39,6 +39,7 @@ from qconsole.screens.overview import OverviewScreen
 from qconsole.screens.start_worker import StartWorkerScreen
 from qconsole.screens.workers import WorkersScreen
 from qconsole.widgets.chrome import OutageBanner
+from qconsole.widgets.table import LiveTable
 from tests.qconsole.pilot import opened, run_as_the_console, run_async, settle, title_of, type_fast, until
 from worker_core import RetryPolicy, db, ops, stats
 from worker_core.errors import ReadOnlyError
@@ -851,6 +852,64 @@ def test_read_only_refuses_every_action(dsn: str, conn: db.Conn, make_job: Any) 
     with pytest.raises(ReadOnlyError):
         again._call(lambda c: ops.requeue(c, dead))
     again.close()
+
+
+# ------------------------------------------------------------------------------------------------ why it waits
+
+
+def overview_line(app: QConsoleApp, text: str) -> str:
+    [line] = [x for x in screen_text(app).splitlines() if text in x]
+    return line
+
+
+def test_the_overview_says_no_live_worker_runs_a_type_whose_jobs_wait(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    # drill 2, "lag is climbing": jobs of a type no live worker registered wait for ever. The overview showed the
+    # lag (▲) and nothing else, the workers screen never said which types a worker runs
+    conn.execute(
+        "INSERT INTO workers (id, host, pid, queues, tasks, concurrency) VALUES ('h:1:a', 'h', 1, NULL, '{t.ok}', 4)"
+    )
+    make_job("sms.send", {"to": "+1555"}, queue="mail")
+    make_job("t.ok", {}, queue="mail")
+    ops.pause(conn, "held", actor=ops.Actor("test"), allow_unknown=True)
+    make_job("sms.send", {}, queue="held")  # a pause says why it waits already
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            table = screen.query_one(LiveTable)
+            assert str(table.get_row("mail\x1fsms.send")[2]).strip() == "sms.send ∅"
+            assert str(table.get_row("mail\x1ft.ok")[2]).strip() == "t.ok"
+            assert str(table.get_row("held\x1fsms.send")[2]).strip() == "sms.send"
+            assert "∅ no live worker runs: sms.send" in overview_line(app, "workers alive 1")
+            table.select_key("mail\x1fsms.send")
+            await settle(pilot)
+            fields = [f.strip() for f in overview_line(app, "sms.send @ mail").split("│")]
+            assert fields[1] == "∅ no live worker runs sms.send in mail", fields  # first: it explains the lag
+            table.select_key("held\x1fsms.send")
+            await settle(pilot)
+            assert "no live worker" not in overview_line(app, "sms.send @ held")
+            # what the worker runs, on the workers screen
+            workers = await opened(pilot, "w", WorkersScreen)
+            [row] = lines_with(screen_text(app), "● live")
+            assert row.split()[-1] == "t.ok", row  # its runs column
+            workers.query_one(LiveTable).select_key("db:h:1:a")
+            await settle(pilot)
+            assert "h:1 runs t.ok in every queue" in screen_text(app)
+            # its heartbeat stops: no worker is alive at all, and every waiting type is said
+            conn.execute("UPDATE workers SET last_heartbeat_at = now() - interval '5 minutes'")
+            await opened(pilot, "o", OverviewScreen)
+            screen.reload()
+            await settle(pilot)
+            assert str(table.get_row("mail\x1ft.ok")[2]).strip() == "t.ok ∅"
+            table.select_key("mail\x1ft.ok")
+            await settle(pilot)
+            fields = [f.strip() for f in overview_line(app, "t.ok @ mail").split("│")]
+            assert fields[1:3] == ["∅ no live worker at all", "its worker is lost (w)"], fields
+
+    run_async(scenario())
 
 
 # ------------------------------------------------------------------------------------------------ outage
