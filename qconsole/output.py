@@ -195,7 +195,8 @@ def overview(ov: Overview, as_json: bool) -> None:
             s.job_type,
             str(s.queued),
             str(s.queued_later),
-            str(s.running),
+            # a dead worker's jobs stay running until their lease is taken over
+            f"{s.running} ({s.running_expired} expired)" if s.running_expired else str(s.running),
             str(s.retry_scheduled),
             str(s.failed),
             str(s.dead_lettered),

@@ -227,6 +227,9 @@ class TypeStats:
     live_workers: int | None = None
     #: the lost workers (heartbeat stopped, no goodbye) that did claim it: where its workers went
     lost_workers: int = 0
+    #: of ``running``, the jobs whose lease has expired: their worker died or froze (a live worker of the type
+    #: takes them over; until then they only look like they run)
+    running_expired: int = 0
 
     @property
     def waiting(self) -> int:

@@ -85,6 +85,7 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
                 queued=int(r.get("queued", 0)),
                 queued_later=int(r.get("queued_later", 0)),
                 running=int(r.get("running", 0)),
+                running_expired=int(r.get("running_expired", 0)),
                 retry_scheduled=int(r.get("retry_scheduled", 0)),
                 failed=int(r.get("failed", 0)),
                 dead_lettered=int(r.get("dead_lettered", 0)),

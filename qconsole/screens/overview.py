@@ -21,6 +21,9 @@ from worker_core.stats import unserved
 
 #: a row whose jobs wait with no live worker that claims its type in its queue: nothing will run them
 NO_WORKER = "∅"
+#: after the count of running jobs when some of them hold a lease that expired (their worker died or froze);
+#: how many, on the detail line
+EXPIRED = "✗"
 
 COLUMNS = [
     ("mark", "", 2),
@@ -48,8 +51,9 @@ class OverviewScreen(ConsoleScreen):
         "Per queue and job type. wait: queued jobs due now (+N: scheduled later). lag: the age of the type's"
         " oldest job due and waiting. ▲ marks lag or DLQ rate over its threshold; ⏸ a paused queue; ⏸0 a type"
         " held by a limit of 0, ≤N one limited to N running; ∅ a type whose jobs wait and no live worker runs it"
-        " in that queue. Sparklines: the type's jobs done per minute; the queue's average wait to start (its last"
-        " point: the oldest waiting job's age)."
+        " in that queue; run N✗: some of them hold a lease that expired (their worker died or froze)."
+        " Sparklines: the type's jobs done per minute; the queue's average wait to start (its last point: the"
+        " oldest waiting job's age)."
     )
 
     BINDINGS = [
@@ -125,7 +129,12 @@ class OverviewScreen(ConsoleScreen):
                             fmt.count(t.queued_due) + (f" +{fmt.count(t.queued_later)}" if t.queued_later else ""),
                             right=True,
                         ),  # retrying ones have their own column
-                        cell(fmt.count(t.running), right=True),
+                        # a dead worker's jobs stay running until their lease is taken over: "run 8" for an hour
+                        cell(
+                            fmt.count(t.running) + (EXPIRED if t.running_expired else ""),
+                            right=True,
+                            style=warn if t.running_expired else "",
+                        ),
                         cell(fmt.count(t.retry_scheduled), right=True),
                         cell(fmt.count(t.failed), right=True),
                         cell(fmt.count(t.dead_lettered), right=True),
@@ -229,6 +238,8 @@ class OverviewScreen(ConsoleScreen):
             if t.lost_workers:  # where its workers went
                 lost = "its worker is lost" if t.lost_workers == 1 else f"its {t.lost_workers} workers are lost"
                 parts.append((f"{lost} (w)", bold))
+        if t.running_expired:
+            parts.append((f"{EXPIRED} {t.running_expired} of {t.running} leases expired", bold))
         if self.over_lag(t):
             parts.append((f"{fmt.WARN} lag over {fmt.duration(th.lag_seconds)}", bold))
         if self.over_dlq(t):

@@ -513,17 +513,27 @@ def test_the_audit_table_says_which_embedded_worker_was_started_or_stopped(cli: 
     assert [(e["action"], e["detail"]["number"]) for e in entries] == [("worker_stop", 2), ("worker_start", 3)]
 
 
-def test_stats_says_which_waiting_types_no_live_worker_runs(cli: Any, conn: db.Conn) -> None:
-    # a type no live worker runs only showed its lag; `qconsole workers` did not say which types a worker runs
+def test_stats_says_which_waiting_types_no_live_worker_runs_and_the_expired_leases(cli: Any, conn: db.Conn) -> None:
+    # a type no live worker runs only showed its lag; a dead worker's jobs read "running 8"
     conn.execute(
         "INSERT INTO workers (id, host, pid, queues, tasks, concurrency) VALUES ('h:1:a', 'h', 1, NULL, '{t.ok}', 4)"
     )
     cli("enqueue", "sms.send", "--queue", "mail")
     cli("enqueue", "t.ok", "--queue", "mail")
+    for _ in range(2):
+        cli("enqueue", "report.build", "--queue", "reports")
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_until = now() - interval '1 minute'"
+        " WHERE job_type = 'report.build'"
+    )
     out = cli("stats").stdout
+    assert "no live worker runs: report.build in reports, sms.send in mail" not in out  # running, not waiting
     assert "no live worker runs: sms.send in mail" in out, out
+    [reports] = [line for line in out.splitlines() if "report.build" in line]
+    assert "2 (2 expired)" in reports, reports
     types = {(t["queue"], t["job_type"]): t for t in json.loads(cli("stats", "--json").stdout)["types"]}
     assert (types[("mail", "sms.send")]["live_workers"], types[("mail", "t.ok")]["live_workers"]) == (0, 1)
+    assert types[("reports", "report.build")]["running_expired"] == 2
     [worker] = [line for line in cli("workers").stdout.splitlines() if "h:1:a" in line]
     assert worker.split()[-1] == "t.ok", worker  # its job types
 

@@ -146,10 +146,10 @@ class FakeBackend:
                       oldest_waiting_seconds=12, throughput_per_min=0.8, lease_expirations_per_min=0.4,
                       lease_expirations=6, timeouts=2, live_workers=1),
             TypeStats("mail", "email.send", queued=120, paused=True, oldest_waiting_seconds=940, live_workers=1),
-            # its only worker (web-2:77) is lost: the new jobs wait
+            # its only worker (web-2:77) is lost: its job still "runs" on an expired lease, the new ones wait
             TypeStats("media", "image.resize", queued=3, running=1, failed=4, dead_lettered=2,
                       oldest_waiting_seconds=95, throughput_per_min=2.2, dlq_per_min=0.13,
-                      lease_expirations_per_min=0.27, live_workers=0, lost_workers=1),
+                      lease_expirations_per_min=0.27, live_workers=0, lost_workers=1, running_expired=1),
         ]  # fmt: skip
         queues = [
             QueueInfo("default", False, 74, 8),

@@ -912,6 +912,29 @@ def test_the_overview_says_no_live_worker_runs_a_type_whose_jobs_wait(dsn: str, 
     run_async(scenario())
 
 
+def test_the_overview_says_how_many_running_jobs_hold_an_expired_lease(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    # drill: a worker kill -9'd; "reports report.build run 8" looked healthy long after its leases expired
+    ids = [make_job("report.build", {"n": i}, queue="reports") for i in range(9)]
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, started_at = now() - interval '10 minutes',"
+        " locked_by = 'h:9:dead', locked_until = now() - interval '5 minutes' WHERE id = ANY(%s)",
+        (ids[:8],),
+    )
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            row = [str(c).strip() for c in screen.query_one(LiveTable).get_row("reports\x1freport.build")]
+            assert (row[3], row[4]) == ("1", "8✗"), row
+            line = overview_line(app, "report.build @ reports")
+            assert "✗ 8 of 8 leases expired" in line, line
+
+    run_async(scenario())
+
+
 # ------------------------------------------------------------------------------------------------ outage
 
 

@@ -799,6 +799,9 @@ def test_a_jobs_lease_holder_is_judged_lost_by_the_workers_lists_own_rule(conn: 
 # --------------------------------------------------------------------------- who runs what
 
 
+# --------------------------------------------------------------------------- who runs what, and dead workers' jobs
+
+
 def test_the_overview_counts_the_live_workers_that_claim_each_type_in_its_queue(conn: db.Conn) -> None:
     # drill: sms.send jobs waited in mail, where live workers ran other types; the overview showed the lag
     # climbing and nothing else. A worker claims a type in a queue when the type is among its tasks and the queue
@@ -831,3 +834,23 @@ def test_the_overview_counts_the_live_workers_that_claim_each_type_in_its_queue(
     unserved = sorted(k for k, t in by.items() if stats.unserved(t))
     assert unserved == [("default", "email.send"), ("mail", "report.build"), ("mail", "sms.send")]
     assert stats.overview(conn).workers_alive == 2
+
+
+def test_the_overview_says_how_many_running_jobs_hold_an_expired_lease(conn: db.Conn) -> None:
+    # drill: a worker kill -9'd, its 8 jobs of report.build still "run 8" long after their leases expired
+    ids = [enqueue(conn, "report.build", {"n": i}, queue="reports").id for i in range(10)]
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'dead:1',"
+        " locked_until = now() - interval '5 minutes' WHERE id = ANY(%s)",
+        (ids[:8],),
+    )
+    conn.execute(
+        "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = 'live:1',"
+        " locked_until = now() + interval '5 minutes' WHERE id = ANY(%s)",
+        (ids[8:],),
+    )
+    [t] = stats.overview(conn).types
+    assert (t.running, t.running_expired, t.queued) == (10, 8, 0)
+    # by the overview's clock: ten minutes on, every lease has run out
+    [later] = stats.overview(conn, clock=FixedClock(dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=10))).types
+    assert later.running_expired == 10

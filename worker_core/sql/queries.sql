@@ -698,21 +698,23 @@ DELETE FROM resource_locks WHERE expires_at < %(now)s;
 -- name: stats_live
 -- Waiting jobs through job_queue_waiting_idx (its predicate written as migration 0011 writes it), running
 -- ones through job_queue_running_idx: no index holds every live state (see 0011). queued_later: the queued
--- jobs not due yet (of `queued`): "wait 20" counted 20 jobs scheduled a month ahead.
+-- jobs not due yet (of `queued`): "wait 20" counted 20 jobs scheduled a month ahead. running_expired: the
+-- running jobs whose lease has run out (their worker died or froze): "run 8" looked healthy long after.
 SELECT queue, job_type, sum(queued)::bigint AS queued, sum(queued_later)::bigint AS queued_later,
-       sum(running)::bigint AS running, sum(retry_scheduled)::bigint AS retry_scheduled,
-       min(oldest_ready_at) AS oldest_ready_at
+       sum(running)::bigint AS running, sum(running_expired)::bigint AS running_expired,
+       sum(retry_scheduled)::bigint AS retry_scheduled, min(oldest_ready_at) AS oldest_ready_at
 FROM (
     SELECT queue, job_type,
            count(*) FILTER (WHERE state = 'queued') AS queued,
            count(*) FILTER (WHERE state = 'queued' AND scheduled_at > %(now)s) AS queued_later, 0 AS running,
+           0 AS running_expired,
            count(*) FILTER (WHERE state = 'retry_scheduled') AS retry_scheduled,
            min(scheduled_at) FILTER (WHERE scheduled_at <= %(now)s) AS oldest_ready_at
     FROM job_queue
     WHERE (state IN ('queued', 'retry_scheduled')) IS TRUE AND scheduled_at > '-infinity'
     GROUP BY queue, job_type
     UNION ALL
-    SELECT queue, job_type, 0, 0, count(*), 0, NULL
+    SELECT queue, job_type, 0, 0, count(*), count(*) FILTER (WHERE locked_until < %(now)s), 0, NULL
     FROM job_queue
     WHERE state = 'running'
     GROUP BY queue, job_type
