@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -133,11 +133,17 @@ class ConsoleBackend(Protocol):
 
     def contracts(self) -> ContractsData: ...
 
-    def requeue(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult: ...
+    def requeue(
+        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+    ) -> ActionResult: ...
 
-    def kill(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult: ...
+    def kill(
+        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+    ) -> ActionResult: ...
 
-    def discard(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult: ...
+    def discard(
+        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+    ) -> ActionResult: ...
 
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult: ...
 
@@ -567,22 +573,37 @@ class DatabaseBackend:
         if self.read_only:
             raise ReadOnlyError("read-only mode: operator actions are refused (restart without --read-only)")
 
-    def requeue(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
+    def requeue(
+        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+    ) -> ActionResult:
+        """``groups``: the dead-letter groups the jobs were asked for, said in the audit entry (ops.GROUPS_KEY)."""
         self._refuse_if_read_only()
         return self._act_told(
-            lambda c, token: ops.requeue(c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token)
+            lambda c, token: ops.requeue(
+                c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token, groups=groups
+            )
         )
 
-    def kill(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
+    def kill(
+        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+    ) -> ActionResult:
+        """``groups``: the dead-letter groups the jobs were asked for, said in the audit entry (ops.GROUPS_KEY)."""
         self._refuse_if_read_only()
         return self._act_told(
-            lambda c, token: ops.kill(c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token)
+            lambda c, token: ops.kill(
+                c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token, groups=groups
+            )
         )
 
-    def discard(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
+    def discard(
+        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+    ) -> ActionResult:
+        """``groups``: the dead-letter groups the jobs were asked for, said in the audit entry (ops.GROUPS_KEY)."""
         self._refuse_if_read_only()
         return self._act_told(
-            lambda c, token: ops.discard(c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token)
+            lambda c, token: ops.discard(
+                c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token, groups=groups
+            )
         )
 
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult:

@@ -24,7 +24,7 @@ from worker_core.models import (
     WorkerInfo,
     to_jsonable,
 )
-from worker_core.ops import WORKER_ACTIONS
+from worker_core.ops import GROUPS_KEY, WORKER_ACTIONS
 from worker_core.stats import LOST_AFTER_SECONDS, JobHolders, expired_lease_fate, unserved
 
 #: piped output is for scripts and logs: never squeeze it to 80 columns
@@ -265,7 +265,24 @@ def _audit_target(a: AuditEntry) -> str:
     if a.action in ("limit", "unlimit") and detail.get("job_type"):
         scope = f"{detail['job_type']}@{detail.get('queue', '*')}"
         return f"{scope}={detail['max_running']}" if "max_running" in detail else scope
-    return a.queue or (f"{len(a.job_ids)} job(s)" if a.job_ids else "-")
+    target = a.queue or (f"{len(a.job_ids)} job(s)" if a.job_ids else "-")
+    groups = audit_groups(a)
+    return f"{target} of {groups}" if groups else target
+
+
+def audit_groups(a: AuditEntry) -> str:
+    """The dead-letter groups a console action was asked for (ops.GROUPS_KEY), each as ``email.send
+    (dead_lettered, 43): TransientError: upstream <n>``: its type, state, jobs asked for and error fingerprint;
+    "" for an action on jobs named one by one."""
+    groups = (a.detail or {}).get(GROUPS_KEY)
+    if not isinstance(groups, list) or not groups:
+        return ""
+    said = [
+        f"{g.get('job_type')} ({g.get('state')}, {g.get('jobs')}): {g.get('fingerprint')}"
+        for g in groups
+        if isinstance(g, dict)
+    ]
+    return "; ".join(said) if len(said) == 1 else f"{len(said)} groups: " + "; ".join(said)
 
 
 def is_worker_entry(a: AuditEntry) -> bool:

@@ -195,6 +195,21 @@ def _with_token(detail: dict[str, Any], token: str | None) -> dict[str, Any]:
     return detail
 
 
+#: the audit detail's key of the dead-letter groups an action was asked for (the console's r, K, X on groups):
+#: each one's job type, error fingerprint, state and how many of its jobs were asked for
+GROUPS_KEY = "groups"
+#: the fields of a group kept in the audit detail
+GROUP_FIELDS = ("job_type", "fingerprint", "state", "jobs")
+
+
+def _with_groups(detail: dict[str, Any], groups: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+    """``detail`` with the groups the action was asked for: "requeue 43 job(s) budget=1" did not say which
+    group was replayed, and the handover could tell only by looking up every id."""
+    if groups:
+        detail[GROUPS_KEY] = [{k: g.get(k) for k in GROUP_FIELDS} for g in groups]
+    return detail
+
+
 def requeue(
     conn: Conn,
     job_ids: Iterable[uuid.UUID | str],
@@ -206,11 +221,14 @@ def requeue(
     clock: Clock = SYSTEM_CLOCK,
     same_payload: bool = False,
     token: str | None = None,
+    groups: Sequence[Mapping[str, Any]] | None = None,
 ) -> ActionResult:
     """dead_lettered | failed | cancelled -> queued, with ``budget`` fresh attempts and the history kept.
     ``payload`` replaces the payload (a fix), recorded in the audit entry; for more than one job only with
     ``same_payload``: each would get this one, and lose its own. ``token`` (the caller's) goes into the audit
-    entry's detail (TOKEN_KEY), as with kill and set_paused."""
+    entry's detail (TOKEN_KEY), as with kill and set_paused. ``groups``: the dead-letter groups the jobs were
+    asked for as (job_type, fingerprint, state, jobs), recorded in the detail (GROUPS_KEY), as with kill and
+    discard."""
     ids = _ids(job_ids)
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_MAX_ATTEMPTS:
         raise ValueError(f"budget must be an integer between 1 and {MAX_MAX_ATTEMPTS}")
@@ -248,7 +266,7 @@ def requeue(
                 if not tries_left:
                     raise
         changed = [r["id"] for r in rows]
-        detail: dict[str, Any] = _with_token({"budget": budget, "requested": len(ids)}, token)
+        detail: dict[str, Any] = _with_groups(_with_token({"budget": budget, "requested": len(ids)}, token), groups)
         if payload is not None:
             detail["payload"] = dict(payload)
             detail["payload_diff"] = {
@@ -304,6 +322,7 @@ def kill(
     reason: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
     token: str | None = None,
+    groups: Sequence[Mapping[str, Any]] | None = None,
 ) -> ActionResult:
     """Waiting jobs -> cancelled now; running jobs are flagged and cancelled by their worker within one
     heartbeat (or by the next claim, if their worker is gone). Never retried."""
@@ -326,9 +345,9 @@ def kill(
         changed = waiting + running
         audit_id = _audit(
             conn, now, actor, "kill", job_ids=changed, reason=reason,
-            detail=_with_token(
+            detail=_with_groups(_with_token(
                 {"cancelled": len(waiting), "signalled_running": len(running), "requested": len(ids)}, token
-            ),
+            ), groups),
         )  # fmt: skip
         return _result(conn, "kill", ids, changed, audit_id)
 
@@ -341,6 +360,7 @@ def discard(
     reason: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
     token: str | None = None,
+    groups: Sequence[Mapping[str, Any]] | None = None,
 ) -> ActionResult:
     """dead_lettered | failed -> cancelled: dead letters an operator gives up on (a payload that can never
     succeed) leave the dead-letter screen and counts, never to run again; a requeue brings one back. Their
@@ -355,7 +375,7 @@ def discard(
         changed = [r["id"] for r in rows]
         audit_id = _audit(
             conn, now, actor, "discard", job_ids=changed, reason=reason,
-            detail=_with_token({"requested": len(ids)}, token),
+            detail=_with_groups(_with_token({"requested": len(ids)}, token), groups),
         )  # fmt: skip
         return _result(conn, "discard", ids, changed, audit_id)
 

@@ -10,12 +10,12 @@ from textual.app import ComposeResult
 from textual.widgets import DataTable, Static
 
 from qconsole.backend import ConsoleBackend
-from qconsole.output import is_worker_entry, worker_detail, worker_target
+from qconsole.output import audit_groups, is_worker_entry, worker_detail, worker_target
 from qconsole.screens.base import ConsoleScreen
 from qconsole.widgets import fmt
 from qconsole.widgets.table import LiveTable, cell
 from worker_core.models import AuditEntry
-from worker_core.ops import TOKEN_KEY
+from worker_core.ops import GROUPS_KEY, TOKEN_KEY
 
 COLUMNS = [
     ("at", "when (UTC)", None),
@@ -28,8 +28,9 @@ LIMIT = 200
 
 
 #: what the detail column leaves out: the console's token (ops.TOKEN_KEY) is how it finds its action's entry
-#: after a lost connection, no reader's business; a limit's type and queue are its target
-HIDDEN = {TOKEN_KEY}
+#: after a lost connection, no reader's business; a limit's type and queue are its target; the groups of a
+#: dead-letter action are said first, in words (output.audit_groups)
+HIDDEN = {TOKEN_KEY, GROUPS_KEY}
 LIMIT_ACTIONS = ("limit", "unlimit")
 
 
@@ -60,12 +61,22 @@ def detail(e: AuditEntry) -> str:
         parts.append("payload replaced")
     if e.reason:
         parts.insert(0, f"reason: {e.reason}")
+    groups = audit_groups(e)
+    if groups:  # which group it was, first: what the handover asks before anything else
+        parts.insert(0, f"{groups} │")
     return " ".join(parts)
 
 
 class AuditScreen(ConsoleScreen):
     TITLE_TEXT = "Audit log"
     HELP = "Operator actions from the console and the CLI, with the OS user and SSH client."
+    # the entry under the cursor on four lines: a dead-letter group's type and fingerprint, its reason and the
+    # rest of its detail were cut after one at 80 columns
+    CSS = """
+    AuditScreen #audit-detail {
+        height: 5;
+    }
+    """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

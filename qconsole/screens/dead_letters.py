@@ -9,6 +9,7 @@ Each acts on the marked groups, or the group under the cursor.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
@@ -53,6 +54,11 @@ def _no_summary(result: ActionResult) -> str:
 
 def group_key(g: DeadLetterGroup) -> str:
     return f"{g.state}\x1f{g.job_type}\x1f{g.fingerprint}"
+
+
+def audit_groups(groups: list[DeadLetterGroup]) -> list[dict[str, Any]]:
+    """The groups an action was asked for, as its audit entry records them (ops.GROUP_FIELDS)."""
+    return [{"job_type": g.job_type, "fingerprint": g.fingerprint, "state": g.state, "jobs": g.count} for g in groups]
 
 
 class DeadLettersScreen(ConsoleScreen):
@@ -240,12 +246,15 @@ class DeadLettersScreen(ConsoleScreen):
         # on a connection of its own, whatever action runs meanwhile (DatabaseBackend.group_job_ids); a message,
         # not a call waiting for the UI thread: this thread never waits for an app that is quitting
         try:
-            ids = list(dict.fromkeys(i for g in groups for i in app.backend.group_job_ids(g)))
+            each = [(g, app.backend.group_job_ids(g)) for g in groups]
         except Exception as e:
             error = describe_error(e, getattr(app.backend, "dsn", None))
             self.post_message(GroupJobsRead(name, groups, verb, details, [], error))
             return
-        self.post_message(GroupJobsRead(name, groups, verb, details, ids))
+        ids = list(dict.fromkeys(i for _, group_ids in each for i in group_ids))
+        # each group with the count of its jobs as read now, which the audit entry says (audit_groups)
+        read = [dataclasses.replace(g, count=len(group_ids)) for g, group_ids in each]
+        self.post_message(GroupJobsRead(name, read, verb, details, ids))
 
     @on(GroupJobsRead)
     def _ask(self, message: GroupJobsRead) -> None:
@@ -268,10 +277,16 @@ class DeadLettersScreen(ConsoleScreen):
             )
             return
 
+        # the audit entry says which groups these were: "requeue 43 job(s) budget=1" did not, and the handover
+        # could tell only by looking up every id
+        said = audit_groups(groups)
+
         def run(backend: ConsoleBackend) -> ActionResult:
             if name == "requeue":
-                return backend.requeue(ids)
-            return backend.kill(ids) if name == "kill" else backend.discard(ids)
+                return backend.requeue(ids, groups=said)
+            if name == "kill":
+                return backend.kill(ids, groups=said)
+            return backend.discard(ids, groups=said)
 
         self.act(
             name,

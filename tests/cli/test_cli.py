@@ -513,6 +513,27 @@ def test_the_audit_table_says_which_embedded_worker_was_started_or_stopped(cli: 
     assert [(e["action"], e["detail"]["number"]) for e in entries] == [("worker_stop", 2), ("worker_start", 3)]
 
 
+def test_the_audit_table_says_which_dead_letter_groups_a_console_action_was_on(cli: Any, conn: db.Conn) -> None:
+    # a console requeue of a group printed "requeue 3 job(s)": which group (type, error) was in no column
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, attempts, finished_at, last_error,"
+        " error_fingerprint) SELECT 'email.send', 'mail', '{}', 'dead_lettered', 4, now(), 'upstream 503',"
+        " 'TransientError: upstream <n>' FROM generate_series(1, 3)"
+    )
+    ids = ops.group_job_ids(conn, "email.send", "TransientError: upstream <n>")
+    group = {"job_type": "email.send", "fingerprint": "TransientError: upstream <n>", "state": "dead_lettered",
+             "jobs": 3}  # fmt: skip
+    ops.requeue(conn, ids, actor=ops.Actor("alice"), groups=[group])
+    ops.kill(conn, ids[:2], actor=ops.Actor("alice"), groups=[group, {**group, "job_type": "sms.send"}])
+    ops.kill(conn, ids[2:], actor=ops.Actor("alice"))
+    plain, two, one = cli("audit").stdout.splitlines()[1:]
+    assert "3 job(s) of email.send (dead_lettered, 3): TransientError: upstream <n>" in one
+    assert "2 job(s) of 2 groups: email.send (dead_lettered, 3): TransientError: upstream <n>; sms.send" in two
+    assert " 1 job(s) " in plain and " of " not in plain
+    [entry] = [e for e in json.loads(cli("audit", "--json").stdout) if e["action"] == "requeue"]
+    assert entry["detail"]["groups"] == [group]
+
+
 def test_stats_says_which_waiting_types_no_live_worker_runs_and_the_expired_leases(cli: Any, conn: db.Conn) -> None:
     # a type no live worker runs only showed its lag; a dead worker's jobs read "running 8"
     conn.execute(

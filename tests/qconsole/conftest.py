@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -269,7 +269,9 @@ class FakeBackend:
         self._read("audit_log")
         return [
             AuditEntry(3, ago(60), "alice", "10.1.2.3", "requeue", None, [jid(1), jid(9)], "smtp relay fixed",
-                       {"budget": 1, "requested": 2}),
+                       {"budget": 1, "requested": 2, "groups": [
+                           {"job_type": "email.send", "state": "dead_lettered", "jobs": 2,
+                            "fingerprint": "TransientError: upstream <n> from smtp relay '<*>' after <n>s"}]}),
             AuditEntry(2, ago(1200), "alice", "10.1.2.3", "pause", "mail", [], "relay down", {}),
             AuditEntry(1, ago(86000), "bob", None, "kill", None, [jid(3)], None,
                        {"cancelled": 1, "signalled_running": 0, "requested": 1}),
@@ -307,20 +309,28 @@ class FakeBackend:
             ],
         )  # fmt: skip
 
-    def _act(self, name: str, ids: Sequence[uuid.UUID]) -> ActionResult:
+    def _act(self, name: str, ids: Sequence[uuid.UUID], groups: Sequence[Mapping[str, Any]] | None) -> ActionResult:
         self.calls.append((name, list(ids)))
+        if groups is not None:
+            self.calls.append((f"{name}_groups", [dict(g) for g in groups]))
         if self.read_only:
             raise ReadOnlyError("read-only mode: operator actions are refused")
         return ActionResult(name, len(ids), list(ids), [], audit_id=4)
 
-    def requeue(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
-        return self._act("requeue", job_ids)
+    def requeue(
+        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+    ) -> ActionResult:
+        return self._act("requeue", job_ids, groups)
 
-    def kill(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
-        return self._act("kill", job_ids)
+    def kill(
+        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+    ) -> ActionResult:
+        return self._act("kill", job_ids, groups)
 
-    def discard(self, job_ids: Sequence[uuid.UUID], reason: str | None = None) -> ActionResult:
-        return self._act("discard", job_ids)
+    def discard(
+        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+    ) -> ActionResult:
+        return self._act("discard", job_ids, groups)
 
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult:
         self.calls.append(("set_paused", (queue, paused)))

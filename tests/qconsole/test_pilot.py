@@ -754,6 +754,84 @@ def test_kill_a_group_of_retrying_jobs(dsn: str, conn: db.Conn, make_job: Any) -
     assert stats.audit_log(conn)[0].action == "kill"
 
 
+def test_a_dead_letter_group_action_from_the_console_is_audited_with_its_type_fingerprint_and_state(
+    dsn: str, conn: db.Conn
+) -> None:
+    # drill 1, "check the audit log says what you did": a console requeue of a dead-letter group was audited as
+    # "requeue 43 job(s)", detail "budget=1 requested=43": no job type, no error fingerprint. The handover at
+    # 8 a.m. could not tell which group was replayed without looking up every id
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, attempts, finished_at, last_error,"
+        " error_fingerprint) SELECT 'email.send', 'mail', '{}', 'dead_lettered', 4, now(),"
+        " 'upstream 503 from smtp relay', 'TransientError: upstream <n>' FROM generate_series(1, 3)"
+    )
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, attempts, finished_at, last_error,"
+        " error_fingerprint) SELECT 'image.resize', 'media', '{}', 'failed', 1, now(), 'not a PNG',"
+        " 'PermanentError: not a PNG' FROM generate_series(1, 2)"
+    )
+    smtp = {"job_type": "email.send", "fingerprint": "TransientError: upstream <n>", "state": "dead_lettered"}
+    png = {"job_type": "image.resize", "fingerprint": "PermanentError: not a PNG", "state": "failed"}
+    app = console(dsn)
+    shown: dict[str, str] = {}
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "d", DeadLettersScreen)
+            assert screen.current() is not None and screen.current().job_type == "email.send"  # type: ignore[union-attr]
+            await opened(pilot, "r", ConfirmScreen)
+            await pilot.press("y")
+            await settle(pilot)
+            assert "Requeued 3 job(s)" in notes(app)
+            await opened(pilot, "X", ConfirmScreen)  # the group left (the requeued one is queued now)
+            await pilot.press("y")
+            await settle(pilot)
+            await opened(pilot, "a", AuditScreen)
+            shown["audit"] = " ".join(screen_text(app).split())
+
+    run_async(scenario())
+    discard, requeue = stats.audit_log(conn)[:2]
+    assert (requeue.action, len(requeue.job_ids)) == ("requeue", 3)
+    # the keys it had, and the group it acted on
+    assert requeue.detail["budget"] == 1 and requeue.detail["requested"] == 3
+    assert requeue.detail[ops.GROUPS_KEY] == [{**smtp, "jobs": 3}]
+    assert (discard.action, len(discard.job_ids)) == ("discard", 2)
+    assert discard.detail[ops.GROUPS_KEY] == [{**png, "jobs": 2}]
+    # the entry under the cursor (the discard), in words
+    assert "image.resize (failed, 2): PermanentError: not a PNG" in shown["audit"], shown["audit"]
+    assert "requeue 3 job(s) email.send (dead_letter" in shown["audit"], shown["audit"]  # its detail column
+
+
+def test_marked_groups_are_all_named_in_the_audit_of_their_kill(dsn: str, conn: db.Conn) -> None:
+    for job_type, error in (("t.flaky", "TransientError: upstream <n>"), ("t.slow", "JobTimeout: ran past <n>s")):
+        conn.execute(
+            "INSERT INTO job_queue (job_type, queue, payload, state, attempts, scheduled_at, last_error,"
+            " error_fingerprint) SELECT %s, 'default', '{}', 'retry_scheduled', 1, now() + interval '1 hour',"
+            " %s, %s FROM generate_series(1, 2)",
+            (job_type, error, error),
+        )
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await opened(pilot, "d", DeadLettersScreen)
+            await pilot.press("space", "space")  # the cursor moves down as it marks
+            await opened(pilot, "K", ConfirmScreen)
+            await pilot.press("y")
+            await settle(pilot)
+            assert "Killed 4 job(s)" in notes(app)
+
+    run_async(scenario())
+    entry = stats.audit_log(conn)[0]
+    assert entry.action == "kill" and entry.detail["cancelled"] == 4
+    assert sorted((g["job_type"], g["fingerprint"], g["state"], g["jobs"]) for g in entry.detail[ops.GROUPS_KEY]) == [
+        ("t.flaky", "TransientError: upstream <n>", "retry_scheduled", 2),
+        ("t.slow", "JobTimeout: ran past <n>s", "retry_scheduled", 2),
+    ]
+
+
 def test_pause_and_resume_a_queue(dsn: str, conn: db.Conn, make_job: Any) -> None:
     make_job("t.ok", {}, queue="mail")
     app = console(dsn)

@@ -435,7 +435,7 @@ def test_an_actions_failure_says_nothing_changed_only_where_the_server_answered(
     # a connection that died may have taken the answer to a COMMIT with it: "failed, nothing changed" was said
     # of requeues that had committed (a backend that cannot tell which says it does not know)
     class Failing(FakeBackend):
-        def requeue(self, job_ids: Any, reason: str | None = None) -> Any:
+        def requeue(self, job_ids: Any, reason: str | None = None, groups: Any = None) -> Any:
             raise error
 
     app = fake_app(Failing())
@@ -459,7 +459,7 @@ def test_an_actions_failure_says_nothing_changed_only_where_the_server_answered(
 def test_an_action_found_committed_after_its_answer_was_lost_clears_its_marks() -> None:
     # said "done (audit #7)" but its groups stayed marked: the next r requeued them again
     class LostButCommitted(FakeBackend):
-        def requeue(self, job_ids: Any, reason: str | None = None) -> Any:
+        def requeue(self, job_ids: Any, reason: str | None = None, groups: Any = None) -> Any:
             self.calls.append(("requeue", list(job_ids)))
             lost = psycopg.OperationalError("server closed the connection unexpectedly")
             raise ActionLost(lost, committed=True, audit_id=7, changed=len(job_ids))

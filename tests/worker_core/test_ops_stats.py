@@ -854,3 +854,29 @@ def test_the_overview_says_how_many_running_jobs_hold_an_expired_lease(conn: db.
     # by the overview's clock: ten minutes on, every lease has run out
     [later] = stats.overview(conn, clock=FixedClock(dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=10))).types
     assert later.running_expired == 10
+
+
+def test_the_audit_of_an_action_on_dead_letter_groups_says_which_groups(conn: db.Conn) -> None:
+    # "requeue 43 job(s) budget=1 requested=43": no job type, no fingerprint; the handover could not tell which
+    # group was replayed without looking up every id
+    conn.execute(
+        "INSERT INTO job_queue (job_type, queue, payload, state, attempts, finished_at, last_error, error_fingerprint)"
+        " SELECT 'email.send', 'mail', '{}', 'dead_lettered', 4, now(), 'upstream 503', 'TransientError: upstream <n>'"
+        " FROM generate_series(1, 3)"
+    )
+    ids = ops.group_job_ids(conn, "email.send", "TransientError: upstream <n>")
+    group = {"job_type": "email.send", "fingerprint": "TransientError: upstream <n>", "state": "dead_lettered",
+             "jobs": 3, "sample_error": "not kept"}  # fmt: skip
+    kept = {k: v for k, v in group.items() if k != "sample_error"}
+    requeued = ops.requeue(conn, ids, actor=ops.Actor("alice"), groups=[group], token="t1")
+    killed = ops.kill(conn, ids[:1], actor=ops.Actor("alice"), groups=[group, {**group, "state": "retry_scheduled"}])
+    discarded = ops.discard(conn, ids[1:], actor=ops.Actor("alice"), groups=[group])
+    plain = ops.requeue(conn, ids[:1], actor=ops.Actor("alice"))
+    entries = {e.id: e for e in stats.audit_log(conn)}
+    first = entries[requeued.audit_id]
+    # the keys it had are kept; the groups are added
+    assert first.detail == {"budget": 1, "requested": 3, ops.TOKEN_KEY: "t1", ops.GROUPS_KEY: [kept]}
+    assert entries[killed.audit_id].detail[ops.GROUPS_KEY] == [kept, {**kept, "state": "retry_scheduled"}]
+    assert entries[killed.audit_id].detail["requested"] == 1
+    assert entries[discarded.audit_id].detail[ops.GROUPS_KEY] == [kept]
+    assert ops.GROUPS_KEY not in entries[plain.audit_id].detail
