@@ -89,9 +89,6 @@ class WorkersScreen(ConsoleScreen):
         self.embedded = launcher.workers() if launcher is not None else []
         now = self.qapp.clock.now()
         by_pid = {(w.host, w.pid): w for w in self.db_workers}
-        #: what is left of the width once the other columns are drawn (13 at 80 columns): the selected worker's
-        #: job types are all said below the table
-        types_width = max(12, (self.size.width or 80) - 68)
         rows: list[tuple[str, list[Text]]] = []
         #: running workers first, then the ones that ended: a live worker sat below ten stopped rows
         ended: list[tuple[str, list[Text]]] = []
@@ -117,7 +114,7 @@ class WorkersScreen(ConsoleScreen):
                         cell(e.concurrency, right=True),
                         cell(info.in_flight if info else "-", right=True),
                         cell(fmt.ago(info.last_heartbeat_at, now) if info else "-", right=True),
-                        cell(fmt.clip(runs(info), types_width) if info else "-"),
+                        cell(runs(info) if info else "-"),
                     ],
                 )
             )
@@ -135,11 +132,11 @@ class WorkersScreen(ConsoleScreen):
                         cell(w.concurrency, right=True),
                         cell(w.in_flight, right=True),
                         cell(fmt.ago(w.last_heartbeat_at, now), right=True),
-                        cell(fmt.clip(runs(w), types_width)),
+                        cell(runs(w)),
                     ],
                 )
             )
-        self.query_one(LiveTable).set_rows(rows + ended)
+        self.query_one(LiveTable).set_rows(self._fit_types(rows + ended))
         live = sum(1 for w in self.db_workers if w.stopped_at is None and not w.lost)
         lost = sum(1 for w in self.db_workers if w.lost)
         t = Text(no_wrap=True, overflow="ellipsis")
@@ -152,6 +149,21 @@ class WorkersScreen(ConsoleScreen):
         t.append(" │ claimed: running + prefetched jobs")
         self.query_one("#wk-summary", Static).update(t)
         self._paint_log()
+
+    def _fit_types(self, rows: list[tuple[str, list[Text]]]) -> list[tuple[str, list[Text]]]:
+        """The rows with their job types (the last column) cut to the width the other columns leave (at least
+        12): a table wider than the screen hid its right end; the selected worker's are said in full below."""
+        widths = [len(label) + 1 for _, label, _ in COLUMNS[:-1]]
+        for _, cells in rows:
+            widths = [max(n, c.cell_len) for n, c in zip(widths, cells, strict=False)]
+        room = max(12, (self.size.width or 80) - sum(widths) - 1)
+        out = []
+        for key, cells in rows:
+            last = cells[-1]
+            if last.cell_len > room:
+                last = cell(fmt.clip(last.plain[1:], room - 1), style=last.style)
+            out.append((key, [*cells[:-1], last]))
+        return out
 
     def info_of(self, e: EmbeddedWorker) -> WorkerInfo | None:
         """The worker row of a running embedded worker (its process's), once it has registered."""
