@@ -154,9 +154,12 @@ def claims(worker: WorkerInfo, queue: str, job_type: str) -> bool:
 
 
 def unserved(t: TypeStats) -> bool:
-    """Jobs of the row wait and no live worker claims its type in its queue: nothing will run them (its lag only
-    climbs). Not said of a paused queue or a type held by a limit of 0, which say why they wait already."""
-    return t.live_workers == 0 and t.waiting > 0 and not t.paused and t.concurrency_limit != 0
+    """Jobs of the row wait, or hold a lease that expired (a dead worker's: claimable again), and no live worker
+    claims its type in its queue: nothing will run them (its lag only climbs). Not said of a paused queue or a
+    type held by a limit of 0, which say why they wait already."""
+    return (
+        t.live_workers == 0 and t.waiting + t.running_expired > 0 and not t.paused and t.concurrency_limit != 0
+    )
 
 
 def series(

@@ -50,10 +50,10 @@ class OverviewScreen(ConsoleScreen):
     HELP = (
         "Per queue and job type. wait: queued jobs due now (+N: scheduled later). lag: the age of the type's"
         " oldest job due and waiting. ▲ marks lag or DLQ rate over its threshold; ⏸ a paused queue; ⏸0 a type"
-        " held by a limit of 0, ≤N one limited to N running; ∅ a type whose jobs wait and no live worker runs it"
-        " in that queue; run N✗: some of them hold a lease that expired (their worker died or froze)."
-        " Sparklines: the type's jobs done per minute; the queue's average wait to start (its last point: the"
-        " oldest waiting job's age)."
+        " held by a limit of 0, ≤N one limited to N running; ∅ a type whose jobs wait (or hold expired"
+        " leases) and no live worker runs it in that queue; run N✗: some of them hold a lease that expired"
+        " (their worker died or froze). Sparklines: the type's jobs done per minute; the queue's average wait"
+        " to start (its last point: the oldest waiting job's age)."
     )
 
     BINDINGS = [

@@ -1006,9 +1006,10 @@ def test_the_overview_says_how_many_running_jobs_hold_an_expired_lease(dsn: str,
             screen = app.screen
             assert isinstance(screen, OverviewScreen)
             row = [str(c).strip() for c in screen.query_one(LiveTable).get_row("reports\x1freport.build")]
-            assert (row[3], row[4]) == ("1", "8✗"), row
-            line = overview_line(app, "report.build @ reports")
-            assert "✗ 8 of 8 leases expired" in line, line
+            assert (row[2], row[3], row[4]) == ("report.build ∅", "1", "8✗"), row
+            fields = [f.strip() for f in overview_line(app, "report.build @ reports").split("│")]
+            # no worker is alive to take the expired leases over
+            assert fields[1:3] == ["∅ no live worker at all", "✗ 8 of 8 leases expired"], fields
 
     run_async(scenario())
 

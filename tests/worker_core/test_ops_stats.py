@@ -851,6 +851,14 @@ def test_the_overview_says_how_many_running_jobs_hold_an_expired_lease(conn: db.
     )
     [t] = stats.overview(conn).types
     assert (t.running, t.running_expired, t.queued) == (10, 8, 0)
+    # nothing waits, but the expired leases are claimable again, and no live worker would take them over
+    assert stats.unserved(t)
+    conn.execute(
+        "INSERT INTO workers (id, host, pid, queues, tasks, concurrency) VALUES ('live:1', 'h', 1, NULL,"
+        " '{report.build}', 4)"
+    )
+    [t] = stats.overview(conn).types
+    assert t.running_expired == 8 and not stats.unserved(t)
     # by the overview's clock: ten minutes on, every lease has run out
     [later] = stats.overview(conn, clock=FixedClock(dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=10))).types
     assert later.running_expired == 10
