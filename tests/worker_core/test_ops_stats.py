@@ -809,14 +809,14 @@ def test_the_overview_counts_the_live_workers_that_claim_each_type_in_its_queue(
     now = dt.datetime.now(dt.timezone.utc)
     conn.execute(
         "INSERT INTO workers (id, host, pid, queues, tasks, concurrency, last_heartbeat_at, stopped_at) VALUES"
-        " ('a:1', 'a', 1, '{mail}', '{email.send}', 4, %(now)s, NULL),"
+        " ('a:1', 'a', 1, '{mail}', '{mail.digest}', 4, %(now)s, NULL),"
         " ('b:2', 'b', 2, NULL, '{t.ok}', 4, %(now)s, NULL),"
         " ('c:3', 'c', 3, '{mail}', '{report.build}', 4, %(lost)s, NULL),"
         " ('d:4', 'd', 4, '{mail}', '{sms.send}', 4, %(stopped)s, %(stopped)s)",
         {"now": now, "lost": now - dt.timedelta(seconds=stats.LOST_AFTER_SECONDS + 5),
          "stopped": now - dt.timedelta(seconds=20)},
     )  # fmt: skip
-    for job_type, queue in (("sms.send", "mail"), ("email.send", "mail"), ("email.send", "default"),
+    for job_type, queue in (("sms.send", "mail"), ("mail.digest", "mail"), ("mail.digest", "default"),
                             ("t.ok", "mail"), ("report.build", "mail")):  # fmt: skip
         enqueue(conn, job_type, {}, queue=queue)
     ops.pause(conn, "held", actor=ops.Actor("test"), allow_unknown=True)
@@ -824,15 +824,15 @@ def test_the_overview_counts_the_live_workers_that_claim_each_type_in_its_queue(
     by = {(t.queue, t.job_type): t for t in stats.overview(conn).types}
     assert {k: (t.live_workers, t.lost_workers) for k, t in by.items()} == {
         ("mail", "sms.send"): (0, 0),  # its only worker stopped
-        ("mail", "email.send"): (1, 0),
-        ("default", "email.send"): (0, 0),  # its worker takes mail only
+        ("mail", "mail.digest"): (1, 0),
+        ("default", "mail.digest"): (0, 0),  # its worker takes mail only
         ("mail", "t.ok"): (1, 0),  # a worker of every queue
         ("mail", "report.build"): (0, 1),
         ("held", "sms.send"): (0, 0),
     }
     # a paused queue says why its jobs wait already
     unserved = sorted(k for k, t in by.items() if stats.unserved(t))
-    assert unserved == [("default", "email.send"), ("mail", "report.build"), ("mail", "sms.send")]
+    assert unserved == [("default", "mail.digest"), ("mail", "report.build"), ("mail", "sms.send")]
     assert stats.overview(conn).workers_alive == 2
 
 
