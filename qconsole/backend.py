@@ -577,31 +577,29 @@ class DatabaseBackend:
         self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
     ) -> ActionResult:
         """``groups``: the dead-letter groups the jobs were asked for, said in the audit entry (ops.GROUPS_KEY)."""
-        self._refuse_if_read_only()
-        return self._act_told(
-            lambda c, token: ops.requeue(
-                c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token, groups=groups
-            )
-        )
+        return self._on_jobs(ops.requeue, job_ids, reason, groups)
 
     def kill(
         self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
     ) -> ActionResult:
-        """``groups``: the dead-letter groups the jobs were asked for, said in the audit entry (ops.GROUPS_KEY)."""
-        self._refuse_if_read_only()
-        return self._act_told(
-            lambda c, token: ops.kill(
-                c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token, groups=groups
-            )
-        )
+        return self._on_jobs(ops.kill, job_ids, reason, groups)
 
     def discard(
         self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
     ) -> ActionResult:
-        """``groups``: the dead-letter groups the jobs were asked for, said in the audit entry (ops.GROUPS_KEY)."""
+        return self._on_jobs(ops.discard, job_ids, reason, groups)
+
+    def _on_jobs(
+        self,
+        action: Callable[..., ActionResult],
+        job_ids: Sequence[uuid.UUID],
+        reason: str | None,
+        groups: Sequence[Mapping[str, Any]] | None,
+    ) -> ActionResult:
+        """An operator's action on jobs (ops.requeue, kill, discard): refused read-only, audited, told."""
         self._refuse_if_read_only()
         return self._act_told(
-            lambda c, token: ops.discard(
+            lambda c, token: action(
                 c, job_ids, actor=self.actor, reason=reason, clock=self.clock, token=token, groups=groups
             )
         )
