@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -206,7 +207,10 @@ def crash(ctx: JobContext, payload: dict[str, Any]) -> None:
 
 @worker_core.task("t.slow", retry=FAST, timeout=30, reason="tests need fast, bounded retries")
 def slow(ctx: JobContext, payload: dict[str, Any]) -> None:
-    """Sleeps cooperatively: returns early when cancelled (killed, timed out, shutdown)."""
+    """Sleeps cooperatively: returns early when cancelled (killed, timed out, shutdown). ``started_file``:
+    touched as it starts (a job's state says `running` from its claim, before its handler begins)."""
+    if payload.get("started_file"):
+        Path(payload["started_file"]).touch()
     deadline = time.monotonic() + payload.get("seconds", 5)
     while time.monotonic() < deadline:
         if ctx.wait_cancelled(0.05):
