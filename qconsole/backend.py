@@ -623,11 +623,12 @@ class DatabaseBackend:
         concurrency: int,
         tasks: Sequence[str],
         restart_cancelled: bool = False,
+        reason: str | None = None,
     ) -> ActionResult:
         self._refuse_if_read_only()
         return self._act_told(
             lambda c, token: ops.audit_worker(
                 c, action, number=number, pid=pid, host=host, queues=queues, concurrency=concurrency, tasks=tasks,
-                restart_cancelled=restart_cancelled, actor=self.actor, clock=self.clock, token=token,
+                restart_cancelled=restart_cancelled, actor=self.actor, reason=reason, clock=self.clock, token=token,
             )
         )  # fmt: skip

@@ -175,11 +175,12 @@ class ConsoleScreen(Screen[None]):
         name: str,
         question: str,
         details: str,
-        fn: Callable[[ConsoleBackend], ActionResult],
+        fn: Callable[[ConsoleBackend, str | None], ActionResult],
         summary: Callable[[ActionResult], str],
         touches: int,
     ) -> None:
-        """Refuse in read-only mode; else ask for confirmation, then run ``fn`` in a thread worker."""
+        """Refuse in read-only mode; else ask for confirmation, then run ``fn`` in a thread worker, with the
+        reason the operator gave in the question (None: none) for its audit entry."""
         if self.qapp.read_only:
             self.qapp.refuse_read_only(name)
             return
@@ -188,18 +189,21 @@ class ConsoleScreen(Screen[None]):
             return
         from qconsole.screens.confirm import ConfirmScreen
 
+        question_screen = ConfirmScreen(question, details, action=name)
+
         def answered(yes: bool | None) -> None:
             if yes:
+                reason = question_screen.reason
                 # a group's action may take a while: the title bar says it runs until it is done, and the
                 # console goes on meanwhile (the action runs in a thread, on a connection of its own)
                 app = self.qapp  # here, on the UI thread: the thread reaches the app through it, not the screen
                 app.note_acting(name)
                 self.notify(f"{name.capitalize()} under way…", markup=False)
-                self._act(app, name, fn, summary)
+                self._act(app, name, lambda b: fn(b, reason), summary)
             else:
                 self.notify(f"{name.capitalize()} cancelled: nothing changed.", markup=False)
 
-        self.app.push_screen(ConfirmScreen(question, details, action=name), answered)
+        self.app.push_screen(question_screen, answered)
 
     @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="console action")
     def _act(

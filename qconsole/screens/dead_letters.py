@@ -44,7 +44,7 @@ PAST = {"requeue": "Requeued", "kill": "Killed", "discard": "Discarded"}
 KEYS = {"requeue": "r", "kill": "K", "discard": "X"}
 
 
-def _nothing(backend: ConsoleBackend) -> ActionResult:
+def _nothing(backend: ConsoleBackend, reason: str | None) -> ActionResult:
     raise AssertionError("not asked: nothing to act on")
 
 
@@ -281,12 +281,12 @@ class DeadLettersScreen(ConsoleScreen):
         # could tell only by looking up every id
         said = audit_groups(groups)
 
-        def run(backend: ConsoleBackend) -> ActionResult:
+        def run(backend: ConsoleBackend, reason: str | None) -> ActionResult:
             if name == "requeue":
-                return backend.requeue(ids, groups=said)
+                return backend.requeue(ids, reason, groups=said)
             if name == "kill":
-                return backend.kill(ids, groups=said)
-            return backend.discard(ids, groups=said)
+                return backend.kill(ids, reason, groups=said)
+            return backend.discard(ids, reason, groups=said)
 
         self.act(
             name,

@@ -312,7 +312,7 @@ class JobDetailScreen(ConsoleScreen):
             f"Requeue job {fmt.short_id(job.id)} ({job.job_type})?",
             f"Touches 1 job: {job.state.value} -> queued with 1 fresh attempt." if ok
             else f"it is {job.state.value}; only dead-lettered, failed or cancelled jobs can be requeued.",
-            lambda b: b.requeue([job.id]),
+            lambda b, why: b.requeue([job.id], why),
             lambda r: f"Requeued {r.count} job(s)." + (f" {r.skipped_summary()}." if r.skipped else ""),
             touches=1 if ok else 0,
         )  # fmt: skip
@@ -330,7 +330,7 @@ class JobDetailScreen(ConsoleScreen):
             else "a kill is already requested: its worker stops it within a heartbeat." if job.cancel_requested
             and job.state in KILLABLE_STATES
             else f"it is {job.state.value}; only waiting or running jobs can be killed.",
-            lambda b: b.kill([job.id]),
+            lambda b, why: b.kill([job.id], why),
             lambda r: f"Killed {r.count} job(s)." + (" It changed state meanwhile: skipped." if r.skipped else ""),
             touches=1 if ok else 0,
         )  # fmt: skip
@@ -346,7 +346,7 @@ class JobDetailScreen(ConsoleScreen):
             f"Touches 1 job: {job.state.value} -> cancelled: off the dead letters, never run again; its history"
             " keeps what it died of, and a requeue (r) brings it back." if ok
             else f"it is {job.state.value}; only dead-lettered or failed jobs can be discarded.",
-            lambda b: b.discard([job.id]),
+            lambda b, why: b.discard([job.id], why),
             lambda r: f"Discarded {r.count} job(s)." + (" It changed state meanwhile: skipped." if r.skipped else ""),
             touches=1 if ok else 0,
         )  # fmt: skip

@@ -326,7 +326,7 @@ class OverviewScreen(ConsoleScreen):
             verb,
             question,
             details,
-            lambda b: b.set_paused(queue, pause),
+            lambda b, why: b.set_paused(queue, pause, why),
             lambda r: f"Queue '{queue}' {'paused' if pause else 'resumed'}.",
             touches=1,
         )

@@ -300,6 +300,8 @@ class WorkersScreen(ConsoleScreen):
             details = stop_details(getattr(launcher, "shutdown_grace", None))
         from qconsole.screens.confirm import ConfirmScreen
 
+        question_screen = ConfirmScreen(question, details, action="stop worker")
+
         def answered(yes: bool | None) -> None:
             if not yes:
                 self.notify(f"Stop cancelled: embedded worker #{e.number} is left as it is.", markup=False)
@@ -320,17 +322,21 @@ class WorkersScreen(ConsoleScreen):
                             severity="warning", markup=False)  # fmt: skip
                 return
             self._paint()
-            self._audit("worker_stop", e, restart_cancelled=restart_cancelled)
+            self._audit("worker_stop", e, restart_cancelled=restart_cancelled, reason=question_screen.reason)
 
-        self.app.push_screen(ConfirmScreen(question, details, action="stop worker"), answered)
+        self.app.push_screen(question_screen, answered)
 
-    def _audit(self, action: str, e: EmbeddedWorker, *, restart_cancelled: bool = False) -> None:
+    def _audit(
+        self, action: str, e: EmbeddedWorker, *, restart_cancelled: bool = False, reason: str | None = None
+    ) -> None:
         """The start or stop just done, written to the audit log off the UI thread (the worker is what it is as
-        it was started or asked to stop: a restart later runs another pid)."""
+        it was started or asked to stop: a restart later runs another pid), with the reason the operator gave."""
         fields: dict[str, Any] = {
             "number": e.number, "pid": e.pid, "host": e.host, "queues": list(e.queues),
             "concurrency": e.concurrency, "tasks": list(e.tasks), "restart_cancelled": restart_cancelled,
         }  # fmt: skip
+        if reason:
+            fields["reason"] = reason
         self._write_audit(self.qapp, action, fields)
 
     @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="embedded worker: its audit entry")
