@@ -147,6 +147,12 @@ class ConsoleBackend(Protocol):
 
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult: ...
 
+    def set_limit(
+        self, job_type: str, max_running: int, queue: str = "*", reason: str | None = None
+    ) -> ActionResult: ...
+
+    def clear_limit(self, job_type: str, queue: str = "*", reason: str | None = None) -> ActionResult: ...
+
     def audit_worker(
         self,
         action: str,
@@ -609,6 +615,25 @@ class DatabaseBackend:
         return self._act_told(
             lambda c, token: ops.set_paused(
                 c, queue, paused, actor=self.actor, reason=reason, clock=self.clock, token=token
+            )
+        )
+
+    def set_limit(self, job_type: str, max_running: int, queue: str = "*", reason: str | None = None) -> ActionResult:
+        """A type's concurrency limit, from the console: of a type the overview or the job types list shows (a
+        queue of its jobs' own), so neither is refused as unknown (a worker gone, its jobs pruned meanwhile)."""
+        self._refuse_if_read_only()
+        return self._act_told(
+            lambda c, token: ops.set_limit(
+                c, job_type, max_running, queue=queue, actor=self.actor, reason=reason, clock=self.clock,
+                allow_unknown=True, allow_unknown_queue=True, token=token,
+            )
+        )  # fmt: skip
+
+    def clear_limit(self, job_type: str, queue: str = "*", reason: str | None = None) -> ActionResult:
+        self._refuse_if_read_only()
+        return self._act_told(
+            lambda c, token: ops.clear_limit(
+                c, job_type, queue=queue, actor=self.actor, reason=reason, clock=self.clock, token=token
             )
         )
 

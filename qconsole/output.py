@@ -180,6 +180,7 @@ def overview(ov: Overview, as_json: bool) -> None:
                 "window_minutes": ov.window_minutes,
                 "workers_alive": ov.workers_alive,
                 "queues": ov.queues,
+                "limits": ov.limits,
                 "types": [{**to_jsonable(t), "waiting": t.waiting, "queued_due": t.queued_due} for t in ov.types],
             }
         )
@@ -209,8 +210,19 @@ def overview(ov: Overview, as_json: bool) -> None:
             elapsed(s.duration_avg_seconds),
         )
     console.print(t)
-    paused = [q.name for q in ov.queues if q.paused]
-    console.print(f"workers alive: {ov.workers_alive}" + (f"   paused: {', '.join(paused)}" if paused else ""))
+    console.print(f"workers alive: {ov.workers_alive}")
+    for q in ov.queues:
+        if q.paused:  # who paused it, since when, why: what the engineer asks before resuming it
+            since = f" {duration((ov.at - q.changed_at).total_seconds())} ago" if q.changed_at else ""
+            by = f" by {q.changed_by}" if q.changed_by else ""
+            console.print(Text(printable(f"paused: {q.name}{since}{by}" + (f": {q.reason}" if q.reason else ""))))
+    for r in ov.limits:
+        if r["max_running"] == 0:  # a held type waits as a paused queue does
+            scope = "every queue" if r["queue"] == "*" else r["queue"]
+            origin = "its @task" if r["source"] == "task" else (r.get("set_by") or "an operator")
+            console.print(Text(printable(
+                f"held (limit 0): {r['job_type']} in {scope}, by {origin}" + (f": {r['reason']}" if r["reason"] else "")
+            )))  # fmt: skip
     nobody = [f"{s.job_type} in {s.queue}" for s in ov.types if unserved(s)]
     if nobody:
         # their jobs wait for ever: only the lag said anything

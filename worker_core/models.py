@@ -249,6 +249,8 @@ class QueueInfo:
     running: int
     changed_by: str | None = None
     changed_at: dt.datetime | None = None
+    #: the reason given with the last pause or resume (its audit entry's)
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +286,8 @@ class Overview:
     window_minutes: int
     #: per (queue, job_type): per-minute series over the last hour
     throughput: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    #: every concurrency limit, as stats.limits reads them (who set an operator's, and why)
+    limits: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

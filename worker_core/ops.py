@@ -497,11 +497,13 @@ def set_limit(
     clock: Clock = SYSTEM_CLOCK,
     allow_unknown: bool = False,
     allow_unknown_queue: bool = False,
+    token: str | None = None,
 ) -> ActionResult:
     """At most ``max_running`` jobs of ``job_type`` (in ``queue``, or every queue) run at once, fleet-wide.
     0 holds them all. Workers pick the change up within a heartbeat; jobs over the limit simply wait. A type
     no worker registered and no job has is refused unless ``allow_unknown``; a queue (but ``default``) no job,
-    worker, type or earlier pause names, unless ``allow_unknown_queue``, as pause refuses it."""
+    worker, type or earlier pause names, unless ``allow_unknown_queue``, as pause refuses it. ``token`` as with
+    requeue."""
     if isinstance(max_running, bool) or not isinstance(max_running, int) or not 0 <= max_running <= MAX_LIMIT:
         raise ValueError(f"a concurrency limit must be an integer between 0 and {MAX_LIMIT}")
     if queue != "*" and not QUEUE_RE.match(queue):
@@ -534,7 +536,7 @@ def set_limit(
         )  # fmt: skip
         audit_id = _audit(
             conn, now, actor, "limit", queue=None if queue == "*" else queue, reason=reason,
-            detail={"job_type": job_type, "queue": queue, "max_running": max_running},
+            detail=_with_token({"job_type": job_type, "queue": queue, "max_running": max_running}, token),
         )  # fmt: skip
         conn.execute(queries["notify_control"], {"what": "limits"})
     return ActionResult("limit", 1, [], [], audit_id)
@@ -542,7 +544,7 @@ def set_limit(
 
 def clear_limit(
     conn: Conn, job_type: str, *, queue: str = "*", actor: Actor | None = None, reason: str | None = None,
-    clock: Clock = SYSTEM_CLOCK,
+    clock: Clock = SYSTEM_CLOCK, token: str | None = None,
 ) -> ActionResult:  # fmt: skip
     actor = actor or Actor.current()
     now = now_on(conn, clock)
@@ -569,7 +571,7 @@ def clear_limit(
             )
         audit_id = _audit(
             conn, now, actor, "unlimit", queue=None if queue == "*" else queue, reason=reason,
-            detail={"job_type": job_type, "queue": queue, "existed": found is not None},
+            detail=_with_token({"job_type": job_type, "queue": queue, "existed": found is not None}, token),
         )  # fmt: skip
         conn.execute(queries["notify_control"], {"what": "limits"})
     return ActionResult("unlimit", 1, [], [], audit_id)

@@ -128,6 +128,7 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
             running=running[n],
             changed_by=(by_name.get(n) or {}).get("changed_by"),
             changed_at=(by_name.get(n) or {}).get("changed_at"),
+            reason=(by_name.get(n) or {}).get("reason"),
         )
         for n in names
     ]
@@ -144,6 +145,7 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
         workers_alive=len(live),
         window_minutes=window_minutes,
         throughput=dict(throughput),
+        limits=limit_rows,
     )
 
 
@@ -591,7 +593,8 @@ def attempts_distribution(
 
 
 def limits(conn: Conn) -> list[dict[str, Any]]:
-    """Every global concurrency limit: job_type, queue ('*' for all), max_running, source, reason."""
+    """Every global concurrency limit: job_type, queue ('*' for all), max_running, source ('operator' or 'task'),
+    reason, updated_at, set_by (the operator, from the audit log; None for a @task's)."""
     return conn.execute(queries["limits_list"]).fetchall()
 
 

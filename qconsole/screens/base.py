@@ -194,16 +194,55 @@ class ConsoleScreen(Screen[None]):
         def answered(yes: bool | None) -> None:
             if yes:
                 reason = question_screen.reason
-                # a group's action may take a while: the title bar says it runs until it is done, and the
-                # console goes on meanwhile (the action runs in a thread, on a connection of its own)
-                app = self.qapp  # here, on the UI thread: the thread reaches the app through it, not the screen
-                app.note_acting(name)
-                self.notify(f"{name.capitalize()} under way…", markup=False)
-                self._act(app, name, lambda b: fn(b, reason), summary)
+                self.start_action(name, lambda b: fn(b, reason), summary)
             else:
                 self.notify(f"{name.capitalize()} cancelled: nothing changed.", markup=False)
 
         self.app.push_screen(question_screen, answered)
+
+    def ask_limit(
+        self, job_type: str, limits: list[dict[str, Any]], *, queue: str | None = None, now: dt.datetime | None = None
+    ) -> None:
+        """``l``: the form that sets, changes or lifts ``job_type``'s concurrency limit (``queue``: the row's),
+        then the change, audited with the reason it was given."""
+        if self.qapp.read_only:
+            self.qapp.refuse_read_only("a limit")
+            return
+        from qconsole.screens.limit import EVERY_QUEUE, LimitRequest, LimitScreen
+
+        def answered(req: LimitRequest | None) -> None:
+            if req is None:
+                self.notify("Limit cancelled: nothing changed.", markup=False)
+                return
+            where = "every queue" if req.queue == EVERY_QUEUE else f"queue '{req.queue}'"
+            n = req.max_running
+            if n is None:
+                self.start_action(
+                    "lift limit",
+                    lambda b: b.clear_limit(req.job_type, req.queue, req.reason),
+                    lambda r: f"{req.job_type}: its limit in {where} is lifted (audit #{r.audit_id}).",
+                )
+            else:
+                held = " (held: none of them start)" if n == 0 else ""
+                self.start_action(
+                    "limit",
+                    lambda b: b.set_limit(req.job_type, n, req.queue, req.reason),
+                    lambda r: f"{req.job_type}: at most {n} running in {where}{held} (audit #{r.audit_id}).",
+                )
+
+        self.app.push_screen(LimitScreen(job_type, limits, queue=queue, now=now), answered)
+
+    def start_action(
+        self, name: str, fn: Callable[[ConsoleBackend], ActionResult], summary: Callable[[ActionResult], str]
+    ) -> None:
+        """Run an action the operator has confirmed (the question of ``act``, or a form that says what it does)
+        in a thread worker; its outcome is said whatever screen is shown by then."""
+        # a group's action may take a while: the title bar says it runs until it is done, and the console goes
+        # on meanwhile (the action runs in a thread, on a connection of its own)
+        app = self.qapp  # here, on the UI thread: the thread reaches the app through it, not the screen
+        app.note_acting(name)
+        self.notify(f"{name.capitalize()} under way…", markup=False)
+        self._act(app, name, fn, summary)
 
     @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="console action")
     def _act(

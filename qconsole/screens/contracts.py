@@ -35,7 +35,9 @@ def mark(source: str) -> str:
 
 
 def value(c: TypeContract, name: str, unit: str = "") -> str:
-    v, source = c.fields.get(name, ("-", "default"))
+    if name not in c.fields:
+        return "-"  # a contract registered without it (an older worker's): not a crash of the screen
+    v, source = c.fields[name]
     shown = fmt.duration(float(v)) if unit == "s" else (f"{v:g}" if isinstance(v, float) else str(v))
     return shown + mark(source)
 
@@ -53,7 +55,10 @@ class ContractsScreen(ConsoleScreen):
         "comes from: none = the deployment's default, ᵠ = its queue, ᵗ = the type's own @task (with a reason)."
     )
 
-    BINDINGS = [Binding("enter", "open", "Its jobs", show=False)]  # for the help screen: the table's is shown
+    BINDINGS = [
+        Binding("enter", "open", "Its jobs", show=False),  # for the help screen: the table's is shown
+        Binding("l", "limit", "Limit", tooltip="Set, change or lift the limit of the type under the cursor"),
+    ]
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -61,6 +66,13 @@ class ContractsScreen(ConsoleScreen):
 
     def action_open(self) -> None:
         self.query_one(LiveTable).action_select_cursor()
+
+    def action_limit(self) -> None:
+        key = self.query_one(LiveTable).cursor_key
+        if key is None or not any(c.job_type == key for c in self.data.contracts):
+            self.notify("No job type under the cursor.", severity="warning")
+            return
+        self.ask_limit(key, self.data.limits, now=self.qapp.clock.now())
 
     def compose_body(self) -> ComposeResult:
         yield Static(id="contracts-summary", classes="summary")

@@ -14,6 +14,7 @@ from textual.widgets import DataTable, Label, Sparkline, Static
 
 from qconsole.backend import ConsoleBackend, OverviewData
 from qconsole.screens.base import ConsoleScreen
+from qconsole.screens.limit import limit_origin
 from qconsole.widgets import fmt
 from qconsole.widgets.table import LiveTable, cell, opening_table
 from worker_core.models import TypeStats
@@ -58,6 +59,7 @@ class OverviewScreen(ConsoleScreen):
 
     BINDINGS = [
         Binding("p", "toggle_pause", "Pause/resume", tooltip="Pause or resume the queue under the cursor"),
+        Binding("l", "limit", "Limit", tooltip="Set, change or lift the limit of the type under the cursor"),
         # for the help screen; the footer shows the table's (opening_table)
         Binding("enter", "drill", "Its jobs", show=False),
     ]
@@ -245,11 +247,14 @@ class OverviewScreen(ConsoleScreen):
         if self.over_dlq(t):
             parts.append((f"{fmt.WARN} dlq over {th.dlq_per_min:g}/m", bold))
         if t.paused:
-            parts.append((f"{fmt.PAUSED} paused", bold))
-        if t.concurrency_limit == 0:
-            parts.append((f"{fmt.PAUSED} held (limit 0)", bold))
-        elif t.concurrency_limit is not None:
-            parts.append((f"≤{t.concurrency_limit} running (limit)", ""))
+            parts.append((self._paused_by(t.queue), bold))
+        if t.concurrency_limit is not None:
+            limit = self._limit_of(t)
+            n = t.concurrency_limit
+            said = f"{fmt.PAUSED} held (limit 0" if n == 0 else f"≤{n} running (limit"
+            if limit is not None:
+                said += ", " + limit_origin(limit, self.data.overview.at if self.data else None)
+            parts.append((said + ")", bold if t.concurrency_limit == 0 else ""))
         if t.queued_later:
             parts.append((f"+{t.queued_later} queued for later", ""))
         # over the window, per job started: its wait before start (due to start) and its handler's time
@@ -270,12 +275,40 @@ class OverviewScreen(ConsoleScreen):
         parts.extend((f"{name} {n}", "") for name, n in optional if n)  # a zero says nothing: left out
         room = width - line.cell_len
         for text, style in parts:
+            if len(text) + 3 > room and text.startswith(fmt.PAUSED) and room > 3 + 12:
+                # who paused it, or held the type, and why: cut where the screen ends, not left out (it is what
+                # the engineer asks before resuming); the rest of it is in `qconsole queues` and on `l`
+                text = fmt.clip(text, room - 3)
             if len(text) + 3 > room:
                 continue  # a later, shorter one may fit
             line.append(" │ ")
             line.append(text, style=style)
             room -= len(text) + 3
         return line
+
+    def _paused_by(self, queue: str) -> str:
+        """``⏸ paused 12m ago by alice@10.0.0.5: INC-42 billing double-charges``: the on-call engineer who finds
+        a queue paused asks who, since when and why before resuming it."""
+        info = next((q for q in self.data.overview.queues if q.name == queue), None) if self.data else None
+        said = f"{fmt.PAUSED} paused"
+        if info is None or self.data is None:
+            return said
+        if info.changed_at is not None:
+            said += f" {fmt.ago(info.changed_at, self.data.overview.at)}"
+        if info.changed_by:
+            said += f" by {fmt.printable(info.changed_by)}"
+        if info.reason:
+            said += f": {fmt.printable(info.reason)}"
+        return said
+
+    def _limit_of(self, t: TypeStats) -> dict[str, Any] | None:
+        """The limit row the overview's mark shows: the type's own in this queue, else its every-queue one."""
+        if self.data is None:
+            return None
+        rows = [r for r in self.data.overview.limits if r["job_type"] == t.job_type]
+        return next((r for r in rows if r["queue"] == t.queue), None) or next(
+            (r for r in rows if r["queue"] == "*"), None
+        )
 
     def on_resize(self) -> None:
         self._paint_detail()
@@ -305,6 +338,13 @@ class OverviewScreen(ConsoleScreen):
             self.notify("No queue under the cursor.", severity="warning")
             return
         self.request_pause(t.queue, not t.paused)
+
+    def action_limit(self) -> None:
+        t = self.selected()
+        if t is None or self.data is None:
+            self.notify("No job type under the cursor.", severity="warning")
+            return
+        self.ask_limit(t.job_type, self.data.overview.limits, queue=t.queue, now=self.data.overview.at)
 
     def request_pause(self, queue: str, pause: bool) -> None:
         waiting = 0

@@ -336,6 +336,14 @@ class FakeBackend:
         self.calls.append(("set_paused", (queue, paused)))
         return ActionResult("pause" if paused else "resume", 1, [], [], audit_id=5)
 
+    def set_limit(self, job_type: str, max_running: int, queue: str = "*", reason: str | None = None) -> ActionResult:
+        self.calls.append(("set_limit", (job_type, max_running, queue, reason)))
+        return ActionResult("limit", 1, [], [], audit_id=7)
+
+    def clear_limit(self, job_type: str, queue: str = "*", reason: str | None = None) -> ActionResult:
+        self.calls.append(("clear_limit", (job_type, queue, reason)))
+        return ActionResult("unlimit", 1, [], [], audit_id=8)
+
     def audit_worker(self, action: str, **detail: Any) -> ActionResult:
         self.calls.append(("audit_worker", (action, detail)))
         return ActionResult(action, 0, [], [], audit_id=6)

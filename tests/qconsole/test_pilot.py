@@ -35,6 +35,7 @@ from qconsole.screens.audit import AuditScreen
 from qconsole.screens.confirm import ConfirmScreen
 from qconsole.screens.dead_letters import DeadLettersScreen
 from qconsole.screens.job_detail import JobDetailScreen
+from qconsole.screens.limit import LimitScreen
 from qconsole.screens.overview import OverviewScreen
 from qconsole.screens.start_worker import StartWorkerScreen
 from qconsole.screens.workers import WorkersScreen
@@ -914,11 +915,11 @@ def test_read_only_refuses_every_action(dsn: str, conn: db.Conn, make_job: Any) 
     async def scenario() -> None:
         async with app.run_test(size=SIZE) as pilot:
             await settle(pilot)
-            for keys in (("o", "p"), ("d", "r"), ("d", "K"), ("w", "s")):
+            for keys in (("o", "p"), ("o", "l"), ("t", "l"), ("d", "r"), ("d", "K"), ("w", "s")):
                 await pilot.press(*keys)
                 await settle(pilot)
-                assert not isinstance(app.screen, (ConfirmScreen, StartWorkerScreen)), keys
-            assert notes(app).count("Read-only mode") == 4
+                assert not isinstance(app.screen, (ConfirmScreen, StartWorkerScreen, LimitScreen)), keys
+            assert notes(app).count("Read-only mode") == 6
 
     run_async(scenario())
     assert states(conn, dead) == [JobState.DEAD_LETTERED]

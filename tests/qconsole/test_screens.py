@@ -693,7 +693,7 @@ def test_a_type_held_by_a_limit_of_0_is_marked_and_its_expired_leases_are_not_sa
             assert "⏸0 held by limit 0: t.ok" in str(screen.query_one("#ov-summary").content)
             table.select_key("default\x1ft.ok")
             await settle(pilot)
-            assert "⏸ held (limit 0)" in screen_text(app)
+            assert "⏸ held (limit 0, set by " in screen_text(app)
             app.push_screen(JobDetailScreen(held))
             await settle(pilot)
             text = " ".join(screen_text(app).split())

@@ -256,7 +256,15 @@ SELECT job_type, queue AS scope, max_running FROM concurrency_limits WHERE job_t
 ORDER BY job_type, queue;
 
 -- name: limits_list
-SELECT job_type, queue, max_running, source, reason, updated_at FROM concurrency_limits ORDER BY job_type, queue;
+-- With who set an operator's limit: its audit entry, written in the same transaction at the same time (an index
+-- lookup on audit_log's time; a limit a @task declares has none).
+SELECT l.job_type, l.queue, l.max_running, l.source, l.reason, l.updated_at,
+       (SELECT a.os_user || coalesce('@' || a.ssh_client, '') FROM audit_log a
+        WHERE a.at = l.updated_at AND a.action = 'limit' AND a.detail ->> 'job_type' = l.job_type
+          AND a.detail ->> 'queue' = l.queue
+        ORDER BY a.id DESC LIMIT 1) AS set_by
+FROM concurrency_limits l
+ORDER BY l.job_type, l.queue;
 
 -- name: limit_set
 INSERT INTO concurrency_limits (job_type, queue, max_running, source, reason, updated_at)
@@ -758,7 +766,14 @@ WHERE minute >= %(since)s
 ORDER BY minute;
 
 -- name: queues_list
-SELECT name, paused, changed_at, changed_by FROM queues ORDER BY name;
+-- With the reason the operator gave for the last pause or resume: its audit entry, written in the same
+-- transaction at the same time (an index lookup on audit_log's time).
+SELECT q.name, q.paused, q.changed_at, q.changed_by,
+       (SELECT a.reason FROM audit_log a
+        WHERE a.at = q.changed_at AND a.queue = q.name AND a.action IN ('pause', 'resume')
+        ORDER BY a.id DESC LIMIT 1) AS reason
+FROM queues q
+ORDER BY q.name;
 
 -- name: workers_list
 -- The running ones first (live or lost), by host and pid; then those stopped in the last minutes, the
