@@ -236,6 +236,10 @@ def describe_error(exc: BaseException, dsn: str | None = None) -> str:
     return db.redact(f"{type(exc).__name__}: {text}", dsn)
 
 
+#: how long the read of a dead-letter group's jobs (before its question) waits for a lock on job_queue
+GROUP_READ_LOCK_WAIT_S = 5.0
+
+
 class DatabaseBackend:
     """The real backend: worker_core.stats and worker_core.ops over one self-healing connection."""
 
@@ -560,9 +564,17 @@ class DatabaseBackend:
         return self._call(lambda c: stats.dead_letter_groups(c, states=DEAD_LETTER_STATES))
 
     def group_job_ids(self, group: DeadLetterGroup) -> list[uuid.UUID]:
-        # the first step of a group's action: however many jobs, under the action bound, on a connection of
-        # its own (an action running, a long requeue, holds no question up)
-        return self._act(lambda c: ops.group_job_ids(c, group.job_type, group.fingerprint, group.state))
+        """The first step of a group's action: however many jobs, under the action bound, on a connection of
+        its own (an action running, a long requeue, holds no question up). A lock on the table (a migration,
+        VACUUM FULL, LOCK TABLE) is waited for ``GROUP_READ_LOCK_WAIT_S`` at most: behind one, the question came
+        unannounced up to 10 minutes after the key, long after the operator had looked elsewhere."""
+
+        def read(c: db.Conn) -> list[uuid.UUID]:
+            with c.transaction():
+                c.execute(f"SET LOCAL lock_timeout = '{round(GROUP_READ_LOCK_WAIT_S * 1000)}ms'")
+                return ops.group_job_ids(c, group.job_type, group.fingerprint, group.state)
+
+        return self._act(read)
 
     def workers(self) -> list[WorkerInfo]:
         return self._call(lambda c: stats.workers(c, self.clock))

@@ -18,7 +18,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
-from qconsole.backend import ConsoleBackend, describe_error
+from qconsole.backend import GROUP_READ_LOCK_WAIT_S, ConsoleBackend, describe_error
 from qconsole.messages import ActionFailed, GroupJobsRead
 from qconsole.screens.base import ACTION_GROUP, ConsoleScreen
 from qconsole.widgets import fmt
@@ -42,6 +42,8 @@ REQUEUEABLE = {s.value for s in REQUEUEABLE_STATES}
 KILLABLE = {s.value for s in KILLABLE_STATES}
 PAST = {"requeue": "Requeued", "kill": "Killed", "discard": "Discarded"}
 KEYS = {"requeue": "r", "kill": "K", "discard": "X"}
+#: the SQLSTATE of a lock_timeout
+LOCK_NOT_AVAILABLE = "55P03"
 
 
 def _nothing(backend: ConsoleBackend, reason: str | None) -> ActionResult:
@@ -237,7 +239,14 @@ class DeadLettersScreen(ConsoleScreen):
         # the jobs are fetched before the question, which names exactly them: a job that joins a group while
         # the operator reads it is not acted on unasked
         self.fetching = True
+        # said at once: behind a lock the read may take seconds, and a key that did nothing visible was pressed
+        # again, or the question came long after it was forgotten
+        self.notify(self._reading_notice(ok), markup=False, timeout=30)
         self._fetch_then_ask(self.qapp, name, ok, verb, details)
+
+    @staticmethod
+    def _reading_notice(groups: list[DeadLetterGroup]) -> str:
+        return f"Reading the jobs of {len(groups)} group(s), to ask…"
 
     @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="dead letters: the jobs of the groups")
     def _fetch_then_ask(
@@ -249,6 +258,12 @@ class DeadLettersScreen(ConsoleScreen):
             each = [(g, app.backend.group_job_ids(g)) for g in groups]
         except Exception as e:
             error = describe_error(e, getattr(app.backend, "dsn", None))
+            if getattr(e, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+                error = (
+                    f"their jobs could not be read: a lock on the jobs table held the read up over"
+                    f" {GROUP_READ_LOCK_WAIT_S:g}s (a migration, VACUUM FULL or LOCK TABLE? pg_locks says who)."
+                    f" Nothing changed; {KEYS[name]} asks again. ({error})"
+                )
             self.post_message(GroupJobsRead(name, groups, verb, details, [], error))
             return
         ids = list(dict.fromkeys(i for _, group_ids in each for i in group_ids))
@@ -260,6 +275,7 @@ class DeadLettersScreen(ConsoleScreen):
     def _ask(self, message: GroupJobsRead) -> None:
         message.stop()
         self.fetching = False  # from here the question is on the screen: it takes the keys
+        self.qapp._dismiss_notice(self._reading_notice(message.groups))
         name, groups, verb, details, ids = message.action, message.groups, message.verb, message.details, message.ids
         if message.error is not None:
             self.qapp.say_outcome(ActionFailed(name, message.error))
