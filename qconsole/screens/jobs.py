@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,16 @@ COLUMNS = [
     ("updated", "updated", None),
     ("error", "last error", None),
 ]
+
+
+def state_shown(j: Job, now: dt.datetime) -> str:
+    """Its state, and for a job waiting for a time to come (enqueued for later, a retry's backoff) when it is
+    due: ``· queued in 5m00s``, ``↻ retry in 42s``. A delayed job read as any other queued one, and a lag
+    that was not one was looked for."""
+    label = fmt.state_label(j.state.value)
+    if j.state in (JobState.QUEUED, JobState.RETRY_SCHEDULED) and j.scheduled_at > now:
+        return f"{label} in {fmt.duration((j.scheduled_at - now).total_seconds())}"
+    return label
 
 
 @dataclass(frozen=True)
@@ -274,7 +285,7 @@ class JobsScreen(ConsoleScreen):
                     str(j.id),
                     [
                         cell(fmt.short_id(j.id)),
-                        cell(fmt.state_label(j.state.value)),
+                        cell(state_shown(j, now)),
                         cell(fmt.clip(j.job_type, 30 if wide else 16)),
                         cell(fmt.clip(j.queue, 12 if wide else 8)),
                         cell(f"{j.attempts}/{j.max_attempts}", right=True),
