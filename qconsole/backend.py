@@ -20,6 +20,7 @@ stopped answering fails at once, and none starts after it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import threading
 import time
@@ -134,7 +135,11 @@ class ConsoleBackend(Protocol):
     def contracts(self) -> ContractsData: ...
 
     def requeue(
-        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+        self,
+        job_ids: Sequence[uuid.UUID],
+        reason: str | None = None,
+        groups: Sequence[Mapping[str, Any]] | None = None,
+        payload: Mapping[str, Any] | None = None,
     ) -> ActionResult: ...
 
     def kill(
@@ -592,10 +597,17 @@ class DatabaseBackend:
             raise ReadOnlyError("read-only mode: operator actions are refused (restart without --read-only)")
 
     def requeue(
-        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+        self,
+        job_ids: Sequence[uuid.UUID],
+        reason: str | None = None,
+        groups: Sequence[Mapping[str, Any]] | None = None,
+        payload: Mapping[str, Any] | None = None,
     ) -> ActionResult:
-        """``groups``: the dead-letter groups the jobs were asked for, said in the audit entry (ops.GROUPS_KEY)."""
-        return self._on_jobs(ops.requeue, job_ids, reason, groups)
+        """``groups``: the dead-letter groups the jobs were asked for, said in the audit entry (ops.GROUPS_KEY);
+        ``payload``: one job's corrected payload (the audit entry keeps its diff)."""
+        if payload is None:
+            return self._on_jobs(ops.requeue, job_ids, reason, groups)
+        return self._on_jobs(functools.partial(ops.requeue, payload=payload), job_ids, reason, groups)
 
     def kill(
         self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None

@@ -112,6 +112,7 @@ class JobDetailScreen(ConsoleScreen):
         Binding("r", "requeue", "Requeue"),
         Binding("K", "kill", "Kill"),
         Binding("X", "discard", "Discard"),
+        Binding("E", "fix_payload", "Fix+requeue", tooltip="Correct its payload, then requeue it with that"),
     ]
 
     #: the states each action takes: the key line offers only the actions that apply to the job as shown
@@ -120,6 +121,7 @@ class JobDetailScreen(ConsoleScreen):
         "requeue": REQUEUEABLE_STATES,
         "kill": KILLABLE_STATES,
         "discard": DISCARDABLE_STATES,
+        "fix_payload": REQUEUEABLE_STATES,
     }
 
     def __init__(self, job_id: uuid.UUID, note: str = "", **kwargs: Any) -> None:
@@ -316,6 +318,30 @@ class JobDetailScreen(ConsoleScreen):
             lambda r: f"Requeued {r.count} job(s)." + (f" {r.skipped_summary()}." if r.skipped else ""),
             touches=1 if ok else 0,
         )  # fmt: skip
+
+    def action_fix_payload(self) -> None:
+        """``E``: the payload to correct, then the job requeued with it (no second question: the form says what
+        ctrl+s does), audited with the reason and the payload's diff."""
+        job = self.job
+        if job is None or job.state not in REQUEUEABLE_STATES:
+            return
+        if self.qapp.read_only:
+            self.qapp.refuse_read_only("requeue")
+            return
+        from qconsole.screens.payload_fix import PayloadFix, PayloadFixScreen
+
+        def answered(fix: PayloadFix | None) -> None:
+            if fix is None:
+                self.notify("Requeue cancelled: nothing changed.", markup=False)
+                return
+            self.start_action(
+                "requeue",
+                lambda b: b.requeue([job.id], fix.reason, payload=fix.payload),
+                lambda r: f"Requeued job {fmt.short_id(job.id)} with its payload fixed." if r.count
+                else f"Not requeued: {r.skipped_summary()}.",
+            )  # fmt: skip
+
+        self.app.push_screen(PayloadFixScreen(job), answered)
 
     def action_kill(self) -> None:
         job = self.job

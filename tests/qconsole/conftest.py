@@ -318,7 +318,11 @@ class FakeBackend:
         return ActionResult(name, len(ids), list(ids), [], audit_id=4)
 
     def requeue(
-        self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
+        self,
+        job_ids: Sequence[uuid.UUID],
+        reason: str | None = None,
+        groups: Sequence[Mapping[str, Any]] | None = None,
+        payload: Mapping[str, Any] | None = None,
     ) -> ActionResult:
         return self._act("requeue", job_ids, groups)
 
