@@ -643,13 +643,14 @@ class DatabaseBackend:
         )
 
     def set_limit(self, job_type: str, max_running: int, queue: str = "*", reason: str | None = None) -> ActionResult:
-        """A type's concurrency limit, from the console: of a type the overview or the job types list shows (a
-        queue of its jobs' own), so neither is refused as unknown (a worker gone, its jobs pruned meanwhile)."""
+        """A type's concurrency limit, from the console: of a type the overview or the job types list shows, so
+        it is not refused as unknown (its worker gone, its jobs pruned meanwhile); a queue no job, worker or
+        pause names is (a misspelt one typed into the form would hold nothing)."""
         self._refuse_if_read_only()
         return self._act_told(
             lambda c, token: ops.set_limit(
                 c, job_type, max_running, queue=queue, actor=self.actor, reason=reason, clock=self.clock,
-                allow_unknown=True, allow_unknown_queue=True, token=token,
+                allow_unknown=True, token=token,
             )
         )  # fmt: skip
 

@@ -220,14 +220,14 @@ class ConsoleScreen(Screen[None]):
                 self.start_action(
                     "lift limit",
                     lambda b: b.clear_limit(req.job_type, req.queue, req.reason),
-                    lambda r: f"{req.job_type}: its limit in {where} is lifted (audit #{r.audit_id}).",
+                    lambda r: f"{req.job_type}: its limit in {where} is lifted.",
                 )
             else:
                 held = " (held: none of them start)" if n == 0 else ""
                 self.start_action(
                     "limit",
                     lambda b: b.set_limit(req.job_type, n, req.queue, req.reason),
-                    lambda r: f"{req.job_type}: at most {n} running in {where}{held} (audit #{r.audit_id}).",
+                    lambda r: f"{req.job_type}: at most {n} running in {where}{held}.",
                 )
 
         self.app.push_screen(LimitScreen(job_type, limits, queue=queue, now=now), answered)

@@ -115,9 +115,13 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
             yield Static(now, id="lim-now")
             yield Label("At most running (0 holds them all; empty lifts the limit)")
             yield Input(
-                "" if current is None else str(current["max_running"]), id="lim-max", type="integer", compact=True
+                "" if current is None else str(current["max_running"]),
+                placeholder="none: type a number",
+                id="lim-max",
+                type="integer",
+                compact=True,
             )
-            yield Label("In queue (* every queue together; a queue's own limit applies as well)")
+            yield Label("In queue (* all its queues together; a queue's own limit applies too)")
             yield Input(scope, id="lim-queue", compact=True)
             yield Label("Reason (kept in the audit log)")
             yield Input(placeholder="why", id="lim-reason", max_length=MAX_REASON_LENGTH, compact=True)

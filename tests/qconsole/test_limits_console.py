@@ -159,3 +159,23 @@ def test_the_overview_says_who_paused_a_queue_and_why(dsn: str, conn: db.Conn, m
     run_async(scenario(SIZE, " ago by bob"))  # cut at 80 columns, not left out
     [q] = [q for q in stats.queues(conn) if q.name == "billing"]
     assert (q.paused, q.changed_by, q.reason) == (True, "bob", "INC-9 stop the double charges")
+
+
+def test_a_misspelt_queue_in_the_limit_form_is_refused_and_holds_nothing(dsn: str, conn: db.Conn, make_job: Any) -> None:
+    make_job("t.ok", {}, queue="billing")
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=WIDE) as pilot:
+            await settle(pilot)
+            await pilot.press("l")
+            await until(pilot, lambda: isinstance(app.screen, LimitScreen), what="the limit form")
+            form = app.screen
+            await pilot.press("0", "tab")
+            await clear(pilot, form.query_one("#lim-queue", Input))
+            await pilot.press(*"biling", "enter")
+            await settle(pilot)
+            await until(pilot, lambda: "names queue 'biling': check its spelling" in notes(app), what="the refusal")
+
+    run_async(scenario())
+    assert limits(conn) == []
