@@ -115,10 +115,29 @@ class DeploymentPolicy:
         )
 
 
+def _shown(value: Any) -> str:
+    """A TOML value as an error names it: ``[[defaults]]`` reads as a list of tables, which its repr hides."""
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return f"an array of tables {value!r}"
+    return repr(value)
+
+
+def _table(value: Any, source: str, key: str, expected: str) -> Mapping[str, Any]:
+    """``value`` if it is a table, else a PolicyError naming the file, the key as the file writes it and what
+    belongs there. ``defaults = 5``, ``queues.billing = 3`` or ``[[queues]]`` were a TypeError's or an
+    AttributeError's traceback; ``defaults = "abc"`` was "unknown policy fields a, b, c", ``queues = 0`` no
+    queues at all."""
+    if not isinstance(value, Mapping):
+        raise PolicyError(f"{source}: {key} must be a table ({expected}), not {_shown(value)}")
+    return value
+
+
 def _values(table: Mapping[str, Any], where: str) -> dict[str, Any]:
     unknown = sorted(set(table) - set(FIELDS) - {"reason"})
     if unknown:
         raise PolicyError(f"{where}: unknown policy fields {', '.join(unknown)} (known: {', '.join(FIELDS)})")
+    if "reason" in table and not isinstance(table["reason"], str):  # reason = 5 was taken as the reason "5"
+        raise PolicyError(f"{where}: reason must be a string, not {_shown(table['reason'])}")
     return {k: _coerce(k, v, where) for k, v in table.items() if k != "reason"}
 
 
@@ -127,6 +146,7 @@ def from_mapping(
 ) -> DeploymentPolicy:
     """The deployment's policy from a policy file's tables. ``tables``: where they sit in the file, as its
     errors name them (``tool.qconsole.`` in pyproject.toml: "[defaults]" named a table it does not have)."""
+    data = _table(data, source, tables.rstrip(".") or "the file", f"[{tables}defaults] and [{tables}queues.<name>]")
     unknown = sorted(set(data) - {"defaults", "queues"})
     if unknown:
         raise PolicyError(
@@ -134,17 +154,22 @@ def from_mapping(
             f" [{tables}defaults] and [{tables}queues.<name>])"
         )
     defaults = dict(BUILTIN)
-    defaults.update(_values(data.get("defaults", {}), f"{source} [{tables}defaults]"))
+    fields = f"policy fields: max_attempts = 5 under [{tables}defaults]"
+    table = _table(data.get("defaults", {}), source, f"{tables}defaults", fields)
+    defaults.update(_values(table, f"{source} [{tables}defaults]"))
     env = os.environ if environ is None else environ
     for name in FIELDS:
         raw = env.get(f"QCONSOLE_{name.upper()}")
         if raw is not None:
             defaults[name] = _coerce(name, raw, f"${'QCONSOLE_' + name.upper()}")
     queues = {}
-    for qname, table in (data.get("queues") or {}).items():
+    queue_tables = _table(data.get("queues", {}), source, f"{tables}queues", f"a [{tables}queues.<name>] per queue")
+    for qname, value in queue_tables.items():
         where = f"{source} [{tables}queues.{qname}]"
-        reason = str(table.get("reason") or "").strip()
+        key = f"{tables}queues.{qname}"
+        table = _table(value, source, key, f"policy fields and a reason under [{key}]")
         values = _values(table, where)
+        reason = str(table.get("reason") or "").strip()
         if values and not reason:
             raise PolicyError(f"{where} overrides {', '.join(sorted(values))} without a reason: add reason = \"...\"")
         queues[qname] = Layer(f"queue:{qname}", values, reason)
@@ -188,7 +213,9 @@ def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> 
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise PolicyError(f"cannot read the policy file {path}: {e}") from e
     if kind == "pyproject" or path.name == "pyproject.toml":
-        return from_mapping(data.get("tool", {}).get("qconsole", {}), str(path), environ, tables="tool.qconsole.")
+        expected = "[tool.qconsole.defaults] and [tool.qconsole.queues.<name>]"
+        tool = _table(data.get("tool", {}), str(path), "tool", expected)
+        return from_mapping(tool.get("qconsole", {}), str(path), environ, tables="tool.qconsole.")
     return from_mapping(data, str(path), environ)
 
 

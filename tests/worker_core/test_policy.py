@@ -110,6 +110,111 @@ def test_a_pyproject_policy_error_names_its_tables_as_written_there(tmp_path: Pa
         policy.load(path, environ={})
 
 
+NOT_TABLES = [
+    (
+        "qconsole.toml",
+        "defaults = 5",
+        "defaults must be a table (policy fields: max_attempts = 5 under [defaults]), not 5",
+    ),
+    (
+        "qconsole.toml",
+        "defaults = 'abc'",
+        "defaults must be a table (policy fields: max_attempts = 5 under [defaults]), not 'abc'",
+    ),
+    ("qconsole.toml", "defaults = ['max_attempts']", "defaults must be a table"),
+    (
+        "qconsole.toml",
+        "[[defaults]]\nmax_attempts = 3",
+        "defaults must be a table (policy fields: max_attempts = 5"
+        " under [defaults]), not an array of tables [{'max_attempts': 3}]",
+    ),
+    ("qconsole.toml", "queues = 5", "queues must be a table (a [queues.<name>] per queue), not 5"),
+    ("qconsole.toml", "queues = 0", "queues must be a table (a [queues.<name>] per queue), not 0"),
+    ("qconsole.toml", "queues = []", "queues must be a table (a [queues.<name>] per queue), not []"),
+    (
+        "qconsole.toml",
+        "[[queues]]\nname = 'billing'",
+        "queues must be a table (a [queues.<name>] per queue), not an array of tables [{'name': 'billing'}]",
+    ),
+    (
+        "qconsole.toml",
+        "[queues]\nbilling = 3",
+        "queues.billing must be a table (policy fields and a reason under [queues.billing]), not 3",
+    ),
+    ("qconsole.toml", "[queues]\nbilling = 'x'", "queues.billing must be a table"),
+    (
+        "pyproject.toml",
+        "tool = 5",
+        "tool must be a table ([tool.qconsole.defaults] and [tool.qconsole.queues.<name>]), not 5",
+    ),
+    (
+        "pyproject.toml",
+        "[tool]\nqconsole = 'x'",
+        "tool.qconsole must be a table ([tool.qconsole.defaults] and [tool.qconsole.queues.<name>]), not 'x'",
+    ),
+    (
+        "pyproject.toml",
+        "[tool.qconsole]\ndefaults = 5",
+        "tool.qconsole.defaults must be a table (policy fields:"
+        " max_attempts = 5 under [tool.qconsole.defaults]), not 5",
+    ),
+    (
+        "pyproject.toml",
+        "[tool.qconsole]\nqueues = 5",
+        "tool.qconsole.queues must be a table (a [tool.qconsole.queues.<name>] per queue), not 5",
+    ),
+    (
+        "pyproject.toml",
+        "[tool.qconsole.queues]\nbilling = 3",
+        "tool.qconsole.queues.billing must be a table (policy"
+        " fields and a reason under [tool.qconsole.queues.billing]), not 3",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "toml", "error"), NOT_TABLES, ids=[f"{n}:{t}" for n, t, _ in NOT_TABLES])
+def test_a_policy_entry_that_is_not_a_table_is_refused_with_the_file_and_key(
+    tmp_path: Path, name: str, toml: str, error: str
+) -> None:
+    # a TypeError's or an AttributeError's traceback ('int' object is not iterable, 'int' object has no
+    # attribute 'get'); defaults = 'abc' was "unknown policy fields a, b, c", queues = 0 no queues at all
+    path = tmp_path / name
+    path.write_text(f"{toml}\n")
+    with pytest.raises(PolicyError, match=f"^{re.escape(f'{path}: {error}')}"):
+        policy.load(path, environ={})
+
+
+@pytest.mark.parametrize("reason", ["5", "true", "[]", "{}", '["slow"]'])
+def test_a_queue_reason_that_is_not_a_string_is_refused(tmp_path: Path, reason: str) -> None:
+    # reason = 5 was the reason "5"; reason = {} with no override was taken as none, silently
+    path = tmp_path / "qconsole.toml"
+    path.write_text(f"[queues.billing]\nmax_attempts = 12\nreason = {reason}\n")
+    with pytest.raises(PolicyError, match=f"^{re.escape(f'{path} [queues.billing]: reason must be a string, not ')}"):
+        policy.load(path, environ={})
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("worker", "--tasks", "tests.worker_core.tasks", "--burst"),
+        ("enqueue", "t.ok", "--tasks", "tests.worker_core.tasks"),
+        ("policies",),
+    ],
+    ids=lambda a: a[0],
+)
+def test_the_cli_refuses_a_policy_entry_that_is_not_a_table_with_exit_2(
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...]
+) -> None:
+    # qconsole worker, enqueue --tasks and policies died with a TypeError's traceback (exit 1)
+    path = tmp_path / "qconsole.toml"
+    path.write_text("defaults = 5\n")
+    monkeypatch.setenv("QCONSOLE_POLICY_FILE", str(path))
+    monkeypatch.setenv("QCONSOLE_DSN", dsn)
+    result = CliRunner().invoke(app, list(args))
+    said = f"the deployment's policy is refused: {path}: defaults must be a table"
+    assert result.exit_code == 2 and said in result.output, (result.exit_code, result.output, result.exception)
+
+
 def test_effective_contract_says_where_each_value_comes_from(deployment: policy.DeploymentPolicy) -> None:
     plain = Task("x.plain", handler, queue="default")
     eff = plain.effective()
