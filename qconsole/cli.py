@@ -730,6 +730,13 @@ def worker(
     concurrency: Annotated[int, typer.Option("--concurrency", min=1, max=512)] = 4,
     processes: Annotated[int, typer.Option("--processes", min=1, max=128)] = 1,
     burst: Annotated[bool, typer.Option("--burst", help="Exit once nothing is ready or running.")] = False,
+    burst_give_up: Annotated[
+        str,
+        typer.Option(
+            "--burst-give-up",
+            help="With --burst: exit 3 once claims have failed this long (behind a lock, the database gone).",
+        ),
+    ] = "2m",
     group: Annotated[
         int,
         typer.Option(
@@ -791,6 +798,10 @@ def worker(
         last = metrics_port + processes - 1
         fail(f"--metrics-port {metrics_port} with --processes {processes}: process {processes - 1} would serve"
              f" port {last}, past 65535", 2)  # fmt: skip
+    try:
+        give_up = parse_duration(burst_give_up)
+    except typer.BadParameter as e:
+        fail(f"--burst-give-up: {e}", 2)
     setup_logging(log_format, log_level)
     bad_queue = next((q for q in queue or () if not QUEUE_RE.match(q)), None)
     if bad_queue is not None:
@@ -820,6 +831,7 @@ def worker(
         concurrency=concurrency,
         group_max=group,
         burst=burst,
+        burst_give_up=give_up,
         lock_backend=lock_backend,
         shutdown_grace=shutdown_grace,
         poll_interval=poll_interval,

@@ -5,6 +5,8 @@ leases at once so its jobs are reclaimed without waiting for their visibility ti
 passed on to the children (as SUPERVISOR_STOP: see worker_core.signals), which finish or release their
 jobs within the grace period; a second one, as SUPERVISOR_STOP_NOW, ends the grace. Then it exits 0.
 Children that keep dying before their first heartbeat (GIVE_UP_AFTER in a row) make it give up: EXIT_GAVE_UP.
+With ``burst``, a child that ends its burst is not restarted, nor one that gave up on its claims (they kept
+failing: EXIT_UNAVAILABLE, which the supervisor exits with once the others are done too).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from worker_core.clock import SYSTEM_CLOCK, now_on
 from worker_core.logs import bound_logger
 from worker_core.signals import STOP_SIGNALS, SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, SignalRelay, relay_signals
 from worker_core.sql import queries
-from worker_core.worker import EXIT_CONFIG, WorkerConfig, run_worker
+from worker_core.worker import EXIT_CONFIG, EXIT_UNAVAILABLE, WorkerConfig, run_worker
 
 #: what a supervisor exits with when its worker processes keep dying before their first heartbeat
 EXIT_GAVE_UP = 4
@@ -76,10 +78,10 @@ def _child(config: WorkerConfig, log_format: str, log_level: str | int, refused:
     setup_logging(log_format, log_level)
     _stop_when_orphaned()
     code = run_worker(config)
-    if code == EXIT_CONFIG:
+    if code in (EXIT_CONFIG, EXIT_UNAVAILABLE):
         # said by the worker itself: an exit code alone is no proof, a payload (or a C library) may call
         # exit(2), and that one is a crash to restart from
-        refused.value = 1
+        refused.value = code
     exit_process(code)
 
 
@@ -129,7 +131,8 @@ class Supervisor:
         self.log = bound_logger("worker_core.supervisor")
         self.ctx = mp.get_context("spawn")
         self.children: dict[int, tuple[BaseProcess, str]] = {}
-        #: per worker id: set by the child when its worker refused its configuration (see _child)
+        #: per worker id: set by the child to its worker's exit code when it refused its configuration, or gave
+        #: up its burst (see _child)
         self._refusals: dict[str, Any] = {}
         self._started_at: dict[str, float] = {}
         #: children in a row that died within STARTUP_SECONDS of their start, before their first heartbeat
@@ -137,6 +140,8 @@ class Supervisor:
         self.restarts = 0
         #: children that refused their configuration, and were not restarted
         self.refused = 0
+        #: burst children that gave up on their claims (EXIT_UNAVAILABLE), and were not restarted
+        self.gave_up = 0
         self._stop = threading.Event()
         self._generation = 0
         self._recent_deaths: list[float] = []
@@ -221,11 +226,22 @@ class Supervisor:
                     del self.children[slot]
                     self._refusals.pop(worker_id, None)
                     continue
+                said = self._refusals.get(worker_id)
+                gave_up = said is not None and said.value == EXIT_UNAVAILABLE  # said by it: see _child
+                if self.config.burst and proc.exitcode == EXIT_UNAVAILABLE and gave_up:
+                    # its claims kept failing (behind a lock on job_queue, say): restarted, its burst began
+                    # again, for ever. What it held it released, or its leases run out: ending them here
+                    # would wait behind the same lock, with no statement timeout
+                    self.log.error("worker %s gave up its burst: not restarted", worker_id)
+                    del self.children[slot]
+                    self._refusals.pop(worker_id, None)
+                    self.gave_up += 1
+                    continue
                 # whatever it died of, what it held is released now (a child that refused its configuration
                 # held nothing: its row only says stopped)
                 beat = self._expire(worker_id)
                 refusal = self._refusals.pop(worker_id, None)
-                if proc.exitcode == EXIT_CONFIG and refusal is not None and refusal.value:
+                if proc.exitcode == EXIT_CONFIG and refusal is not None and refusal.value == EXIT_CONFIG:
                     # its configuration was refused (a metrics port taken): restarted, it failed again and
                     # again, for ever; the others go on. A job's exit(2) is a crash like any other
                     self.log.error("worker %s refused its configuration: not restarted", worker_id)
@@ -258,7 +274,7 @@ class Supervisor:
                 self.restarts += 1
                 self._start(slot)
             if not self.children:
-                return EXIT_CONFIG if self.refused else 0
+                return EXIT_CONFIG if self.refused else EXIT_UNAVAILABLE if self.gave_up else 0
             self._stop.wait(0.2)
         return self._shutdown()
 

@@ -67,6 +67,10 @@ HOUSEKEEPING_CATCH_UP_SECONDS = 1.0
 #: a worker's exit code when it refuses its configuration (a metrics port taken): starting it again would
 #: change nothing, so neither the supervisor nor the console restarts it (the CLI's code for bad input)
 EXIT_CONFIG = 2
+#: a ``burst`` worker's exit code when it gave up on its claims (they kept failing for ``burst_give_up``
+#: seconds: behind a lock on job_queue, a statement timeout, the server gone): the CLI's code for a database
+#: unreachable or behind a lock
+EXIT_UNAVAILABLE = 3
 #: how often the watchdog looks at running handlers (timeouts are enforced to within this)
 WATCHDOG_TICK = 0.05
 #: full groups of fast jobs a worker may hold beyond its slots' and prefetch's jobs (see Worker.max_in_flight):
@@ -96,6 +100,12 @@ def _loads_utf8(data: str | bytes) -> Any:
         return UndecodablePayload(str(e))
 
 
+def _lock_wait_error(error: BaseException) -> bool:
+    """A statement cancelled by its statement timeout or refused by lock_timeout: what a claim behind a
+    lock on job_queue fails with."""
+    return isinstance(error, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable))
+
+
 @dataclass
 class WorkerConfig:
     dsn: str | None = None
@@ -122,6 +132,11 @@ class WorkerConfig:
     #: how long a cancelled (killed, timed out) sync handler gets to return before it is abandoned
     cancel_grace: float = 2.0
     burst: bool = False
+    #: a ``burst`` worker whose claims have failed for this long (seconds, with none going through since the
+    #: run began or since the last that did) gives up: it stops as on a signal and ``run()`` returns
+    #: EXIT_UNAVAILABLE. Behind a LOCK TABLE each claim fails at its statement timeout, and the burst retried
+    #: for ever; a worker that is not a burst one keeps trying, whatever this says
+    burst_give_up: float = 120.0
     lock_backend: str | None = None
     lock_contention_delay: float = 1.0
     idempotency_retention_seconds: float = 7 * 86400
@@ -212,6 +227,12 @@ class Worker:
         #: a burst run does not end before this (monotonic) time: a job it gave back on lock contention is
         #: queued a little in the future, which ``burst_remaining`` does not count as work still to do
         self._burst_hold_until = 0.0
+        #: (monotonic) since when a burst's claims (or its "anything left?" reads) have failed without one going
+        #: through: the start of the run, or of the first failing one after one that went through
+        self._failing_since: float | None = None
+        #: why a burst worker gave up (see WorkerConfig.burst_give_up), once it has: run() returns
+        #: EXIT_UNAVAILABLE
+        self.gave_up: str | None = None
         #: (monotonic) times at which jobs this worker put back come due (retries, lock contention): an
         #: idle worker wakes for them, where nothing notifies (NOTIFY comes with inserts only); and until
         #: when the claim loop sleeps, if it does
@@ -280,6 +301,9 @@ class Worker:
             self._uninstall_signals()
 
     def _run(self) -> int:
+        # a burst none of whose claims went through gives up counting from its start: behind a lock on
+        # job_queue its start's own statements (beat, contracts, housekeeping) each waited out their timeout
+        self._failing_since = time.monotonic()
         if self.config.metrics_port:
             from worker_core.prometheus import WorkerExporter
 
@@ -323,7 +347,7 @@ class Worker:
             self._claim_loop()
         finally:
             self._shutdown()
-        return 0
+        return EXIT_UNAVAILABLE if self.gave_up else 0
 
     def _spawn(self, target: Any, name: str, *args: Any) -> None:
         """A thread of this worker, recorded in ``_threads`` while it lives: the ended ones are dropped here
@@ -792,11 +816,14 @@ class Worker:
             try:
                 rows = self.claim(limit)
                 backoff = 0.0
+                self._failing_since = None
             except Exception as e:  # the worker lives on: a database error, or rows it could not read
                 backoff = min(max(backoff * 2, 0.2), 10.0)
                 why = db.redact(str(e).strip(), self.dsn) if isinstance(e, psycopg.Error) else repr(e)
-                self.log.warning("claim failed (%s); retrying in %.1fs", why, backoff)
                 self._claim_conn = None
+                if self._give_up(claimed_at, "claim", why, e):
+                    break
+                self.log.warning("claim failed (%s); retrying in %.1fs", why, backoff)
                 self._stopping.wait(backoff * random.uniform(0.8, 1.2))
                 continue
             claimed = len(rows)
@@ -811,14 +838,14 @@ class Worker:
             # drain claims at the poll's pace: claiming again at once, it span thousands of claims a second)
             if claimed == limit or (self._want_solo and not self._in_flight):
                 continue
-            if (
-                self.config.burst
-                and not self._in_flight
-                and time.monotonic() >= self._burst_hold_until
-                and self._burst_done()
-            ):
-                self.log.info("burst: nothing ready or running, exiting")
-                break
+            if self.config.burst and not self._in_flight and time.monotonic() >= self._burst_hold_until:
+                checked_at = time.monotonic()
+                done = self._burst_done()
+                if done:
+                    self.log.info("burst: nothing ready or running, exiting")
+                    break
+                if done is None and self._give_up(checked_at, "read of what is left", self._burst_error):
+                    break
             wait = self._idle_wait(claimed_at)
             self._idle_until = time.monotonic() + wait
             self._wake.wait(wait)
@@ -846,17 +873,61 @@ class Worker:
         if due < self._idle_until:
             self._wake.set()
 
-    def _burst_done(self) -> bool:
-        """Nothing ready or running for this worker. A database error is not an answer: not done."""
+    def _burst_done(self) -> bool | None:
+        """Nothing ready or running for this worker. A database error is not an answer: None (not done), and
+        the error in ``_burst_error``."""
         try:
             conn = self._conn_for_claims()
             with conn.transaction():
                 row = conn.execute(queries["burst_remaining"], self._claim_params(0)).fetchone()
         except psycopg.Error as e:
-            self.log.warning("could not tell whether the burst is done: %s", db.redact(str(e).strip(), self.dsn))
+            self._burst_error = db.redact(str(e).strip(), self.dsn)
+            self.log.warning("could not tell whether the burst is done: %s", self._burst_error)
             self._claim_conn = None
-            return False
+            return None
+        self._failing_since = None  # an answer: the database reads this worker's tables again
         return row is not None and row["n"] == 0
+
+    _burst_error = ""
+
+    def _give_up(self, began: float, what: str, why: str, error: BaseException | None = None) -> bool:
+        """After a failed claim (or burst_remaining read) that began at ``began`` (monotonic): whether a burst
+        worker gives up now, its claims having failed for ``burst_give_up`` seconds. It then says so, with
+        the last error and the sessions whose locks on job_queue hold claims back, and stops: run() returns
+        EXIT_UNAVAILABLE. A worker that is not a burst one never gives up."""
+        if self._failing_since is None:
+            self._failing_since = began
+        failing = time.monotonic() - self._failing_since
+        if not self.config.burst or failing < self.config.burst_give_up:
+            return False
+        holders = self._claim_blockers() if error is None or _lock_wait_error(error) else ""
+        why = (why.splitlines() or [""])[0]  # not the LINE 37: ... and caret lines of the statement's context
+        self.gave_up = f"no {what} has gone through for {failing:.0f} s (the last failed: {why}){holders}"
+        running = len(self._in_flight)
+        grace = f"; the {running} jobs in flight get the shutdown grace" if running else ""
+        self.log.error("burst: giving up, %s%s", self.gave_up, grace)
+        self._stopping.set()
+        return True
+
+    def _claim_blockers(self) -> str:
+        """The sessions holding a lock on job_queue that claims wait behind, as a burst giving up says them
+        (nothing when there is none, or the database does not answer: its error was said)."""
+        try:
+            with db.connect(
+                self.dsn, application_name=self.config.application_name, statement_timeout_ms=5000, autocommit=True
+            ) as conn:
+                rows = conn.execute(queries["claim_blockers"]).fetchall()
+        except psycopg.Error:
+            return ""
+        if not rows:
+            return ""
+        said = "; ".join(
+            f"pid {r['pid']} ({r['state'] or 'unknown'}"
+            + (f", its transaction open {r['seconds']:.0f} s" if r["seconds"] is not None else "")
+            + f", {r['mode']}): {r['query'] or ''}"
+            for r in rows
+        )
+        return f"; job_queue is locked by {said}"
 
     def _dispatch(self, row: dict[str, Any]) -> Execution:
         ctx = JobContext(

@@ -636,6 +636,19 @@ RETURNING pg_current_xact_id()::text AS xid;
 -- name: xact_status
 SELECT pg_xact_status(%(xid)s::xid8) AS status;
 
+-- name: claim_blockers
+-- The sessions whose locks on job_queue hold claims back (a claim writes: ROW EXCLUSIVE waits behind SHARE
+-- and stronger: a LOCK TABLE, a VACUUM FULL, a CREATE INDEX without CONCURRENTLY), the oldest transaction
+-- first: what a --burst worker that gave up says (Worker._claim_blockers). Reads no table: not blocked itself.
+SELECT a.pid, a.state, extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS seconds, l.mode,
+       left(regexp_replace(a.query, '[[:space:]]+', ' ', 'g'), 80) AS query
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.granted AND l.locktype = 'relation' AND l.relation = to_regclass('job_queue')
+  AND l.mode IN ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
+  AND a.pid <> pg_backend_pid()
+ORDER BY a.xact_start NULLS LAST, a.pid
+LIMIT 5;
+
 -- name: burst_remaining
 -- What keeps a --burst worker alive: running jobs, ready jobs, and retries it must still drain. Counted
 -- as stats_live counts (migration 0011). Not jobs a pause or a limit of 0 holds: no worker may run them
