@@ -206,8 +206,17 @@ class DeadLettersScreen(ConsoleScreen):
         self.marked.clear()
         self.marks_gone = False
 
-    def _describe(self, groups: list[DeadLetterGroup]) -> str:
-        lines = [f"{g.count:>6}  " + fmt.clip(f"{g.job_type}: {g.fingerprint}", 50) for g in groups[:5]]
+    @staticmethod
+    def _describe(groups: list[DeadLetterGroup], listed: list[DeadLetterGroup] | None = None) -> str:
+        """A line per group (five at most): its jobs, as read for the question when ``listed`` (the groups as
+        the screen listed them) is given, with how many it listed where that differs: a retrying group loses the
+        jobs a worker claims meanwhile, and "Kill 12 job(s)" above a line that said 13 contradicted itself."""
+        lines = []
+        for i, g in enumerate(groups[:5]):
+            line = f"{g.count:>6}  " + fmt.clip(f"{g.job_type}: {g.fingerprint}", 50)
+            if listed is not None and listed[i].count != g.count:
+                line += f" ({listed[i].count} listed: moved on since)"
+            lines.append(line)
         if len(groups) > 5:
             lines.append(f"  ... and {len(groups) - 5} more group(s)")
         return "\n".join(lines)
@@ -229,12 +238,13 @@ class DeadLettersScreen(ConsoleScreen):
             return
         ok = [g for g in targets if g.state in allowed]
         skipped = [g for g in targets if g.state not in allowed]
-        details = self._describe(ok) + "\n" + outcome
+        notes = outcome
         if skipped:
-            details += f"\nSkipped: {len(skipped)} group(s) ({sum(g.count for g in skipped)} jobs) {why_not}."
+            notes += f"\nSkipped: {len(skipped)} group(s) ({sum(g.count for g in skipped)} jobs) {why_not}."
         if not ok or self.qapp.read_only:
             # act() refuses (read-only) or says there is nothing to do
-            self.act(name, "", details if ok else f"the selected group(s) {why_not}", _nothing, _no_summary, 0)
+            details = self._describe(ok) + "\n" + notes if ok else f"the selected group(s) {why_not}"
+            self.act(name, "", details, _nothing, _no_summary, 0)
             return
         # the jobs are fetched before the question, which names exactly them: a job that joins a group while
         # the operator reads it is not acted on unasked
@@ -242,7 +252,7 @@ class DeadLettersScreen(ConsoleScreen):
         # said at once: behind a lock the read may take seconds, and a key that did nothing visible was pressed
         # again, or the question came long after it was forgotten
         self.notify(self._reading_notice(ok), markup=False, timeout=30)
-        self._fetch_then_ask(self.qapp, name, ok, verb, details)
+        self._fetch_then_ask(self.qapp, name, ok, verb, notes)
 
     @staticmethod
     def _reading_notice(groups: list[DeadLetterGroup]) -> str:
@@ -250,7 +260,7 @@ class DeadLettersScreen(ConsoleScreen):
 
     @work(thread=True, exit_on_error=False, group=ACTION_GROUP, description="dead letters: the jobs of the groups")
     def _fetch_then_ask(
-        self, app: QConsoleApp, name: str, groups: list[DeadLetterGroup], verb: str, details: str
+        self, app: QConsoleApp, name: str, groups: list[DeadLetterGroup], verb: str, notes: str
     ) -> None:
         # on a connection of its own, whatever action runs meanwhile (DatabaseBackend.group_job_ids); a message,
         # not a call waiting for the UI thread: this thread never waits for an app that is quitting
@@ -264,11 +274,12 @@ class DeadLettersScreen(ConsoleScreen):
                     f" {GROUP_READ_LOCK_WAIT_S:g}s (a migration, VACUUM FULL or LOCK TABLE? pg_locks says who)."
                     f" Nothing changed; {KEYS[name]} asks again. ({error})"
                 )
-            self.post_message(GroupJobsRead(name, groups, verb, details, [], error))
+            self.post_message(GroupJobsRead(name, groups, verb, notes, [], error))
             return
         ids = list(dict.fromkeys(i for _, group_ids in each for i in group_ids))
         # each group with the count of its jobs as read now, which the audit entry says (audit_groups)
         read = [dataclasses.replace(g, count=len(group_ids)) for g, group_ids in each]
+        details = self._describe(read, listed=groups) + "\n" + notes
         self.post_message(GroupJobsRead(name, read, verb, details, ids))
 
     @on(GroupJobsRead)
@@ -279,6 +290,15 @@ class DeadLettersScreen(ConsoleScreen):
         name, groups, verb, details, ids = message.action, message.groups, message.verb, message.details, message.ids
         if message.error is not None:
             self.qapp.say_outcome(ActionFailed(name, message.error))
+            self.reload()
+            return
+        if not ids:
+            self.notify(
+                f"Nothing left to {name}: the jobs of the group(s) moved on since they were listed (a retry"
+                " claimed, a job settled). Nothing changed.",
+                severity="warning",
+                markup=False,
+            )
             self.reload()
             return
         if self.app.screen is not self:

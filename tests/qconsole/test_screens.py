@@ -847,3 +847,45 @@ def test_the_overviews_wait_column_tells_jobs_due_now_from_jobs_scheduled_later(
 
     run_async(scenario())
     backend.close()
+
+
+class ShrinkingGroups(FakeBackend):
+    """Each group's jobs as read for the question: ``left`` of them (None: all), the rest claimed meanwhile."""
+
+    def __init__(self, left: int | None) -> None:
+        super().__init__()
+        self.left = left
+
+    def group_job_ids(self, group: DeadLetterGroup) -> list[uuid.UUID]:
+        ids = super().group_job_ids(group)
+        return ids if self.left is None else ids[: self.left]
+
+
+def test_the_question_counts_the_jobs_it_read_and_says_how_many_moved_on_since_the_list() -> None:
+    # drill: "Kill 12 job(s)" above a line that said 13: the details were the list's count, the title the jobs
+    # read for the question (a retrying group loses the jobs a worker claims in between)
+    backend = ShrinkingGroups(left=2)
+    app = fake_app(backend)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "d", DeadLettersScreen)
+            group = screen.current()
+            assert group is not None and group.count > 2
+            await pilot.press("r")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+            question = app.screen
+            assert question.question.startswith("Requeue 2 job(s)")
+            assert f"     2  {group.job_type}" in question.details
+            assert f"({group.count} listed: moved on since)" in question.details
+            await pilot.press("n")
+            await settle(pilot)
+            backend.left = 0  # all of them gone by the time they are read: nothing is asked
+            await pilot.press("r")
+            await settle(pilot)
+            assert not isinstance(app.screen, ConfirmScreen)
+            assert any("Nothing left to requeue" in n.message for n in app._notifications)
+
+    run_async(scenario())
+    assert [name for name, _ in backend.calls if name == "requeue"] == []
