@@ -22,6 +22,7 @@ import typer
 
 from qconsole import output
 from worker_core import db, ops, stats
+from worker_core.clock import SYSTEM_CLOCK, now_on
 from worker_core.envelope import DEFAULT_QUEUE, QUEUE_RE
 from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
 from worker_core.migrate import (
@@ -918,7 +919,7 @@ def jobs(
             fail(f"--after {after!r} is not a job id", 2)
     with connect(dsn, read_only=True) as conn:
 
-        def read() -> list[Job]:
+        def read() -> tuple[list[Job], dt.datetime]:
             anchor = stats.get_job(conn, after_id) if after_id is not None else None
             return stats.list_jobs(
                 conn,
@@ -929,10 +930,11 @@ def jobs(
                 limit=limit,
                 next_first=next_first,
                 after=anchor,
-            )
+            ), now_on(conn, SYSTEM_CLOCK)
 
-        rows = guarded(read)
-    output.jobs(rows, as_json, more_after=str(rows[-1].id) if len(rows) >= limit and not search else None)
+        rows, now = guarded(read)
+    more_after = str(rows[-1].id) if len(rows) >= limit and not search else None
+    output.jobs(rows, as_json, more_after=more_after, now=now)
 
 
 @app.command()

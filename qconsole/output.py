@@ -65,25 +65,30 @@ def ts(value: dt.datetime | None) -> str:
     return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
 
-def jobs(rows: list[Job], as_json: bool, more_after: str | None = None) -> None:
+def jobs(rows: list[Job], as_json: bool, more_after: str | None = None, now: dt.datetime | None = None) -> None:
     """``more_after``: the page is full, and the next one follows this job (said on stderr: the output stays
-    the rows alone for the scripts that read it)."""
+    the rows alone for the scripts that read it). ``now``: the server's time, which says when a job waiting for
+    its time (enqueued for later, a retry's backoff) is due."""
     if as_json:
         _json(rows)
     else:
-        _jobs_table(rows)
+        _jobs_table(rows, now)
     if more_after is not None:
         print(f"more may follow: the same command with --after {more_after}", file=sys.stderr)
 
 
-def _jobs_table(rows: list[Job]) -> None:
-    t = Table("id", "type", "queue", "state", "attempt", "updated", "last error", box=None, pad_edge=False)
+def _jobs_table(rows: list[Job], now: dt.datetime | None = None) -> None:
+    t = Table("id", "type", "queue", "state", "due", "attempt", "updated", "last error", box=None, pad_edge=False)
+    waiting = (JobState.QUEUED, JobState.RETRY_SCHEDULED)
     for j in rows:
         _row(t,
             str(j.id),
             j.job_type,
             j.queue,
             j.state.value,
+            # a job enqueued for later read as any other queued one
+            f"in {duration((j.scheduled_at - now).total_seconds())}" if now is not None and j.state in waiting
+            and j.scheduled_at > now else "",
             f"{j.attempts}/{j.max_attempts}",
             ts(j.updated_at),
             (j.last_error or "")[:60],
