@@ -265,6 +265,23 @@ def parse_duration(text: str) -> float:
     return value
 
 
+def _seconds(flag: str, text: str | None, problems: list[str]) -> float | None:
+    """A flag of seconds: a plain number as it is (the envelope judges it: "delay_seconds must not be
+    negative"), or a duration like the other flags take (``90s``, ``15m``, ``2h``: `--delay 90s` was "Input
+    should be a valid number"); what is neither is one of ``problems``."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return parse_duration(text)
+    except typer.BadParameter as e:
+        problems.append(f"{flag}: {e}")
+        return None
+
+
 def _warn_if_newer(conn: db.Conn) -> None:
     """Said, not refused: during a rolling upgrade the new version migrates first, and the old one's workers
     keep running on the schema (migrations only add to it)."""
@@ -289,8 +306,8 @@ def _import_tasks(modules: Sequence[str]) -> None:
     _load_policy()  # its errors are the policy file's, not an @task's that happens to read it first
     try:
         import_task_modules(modules)
-    except ImportError as e:
-        fail(f"cannot import task module: {e}", 2)
+    except ImportError as e:  # the task module, or one it imports (a dependency not installed): which one said
+        fail(f"cannot import task module {_failing_module(e, modules)}: {e}", 2)
     except ValueError as e:  # EnvelopeError and PolicyError among them
         fail(f"a task module's @task is refused: {e}", 2)
     except Exception as e:  # a SyntaxError, a KeyError of a setting it reads at import...: a traceback, exit 1
@@ -548,14 +565,16 @@ def enqueue(
     dedup_key: Annotated[str | None, typer.Option("--dedup-key")] = None,
     lock_key: Annotated[str | None, typer.Option("--lock-key")] = None,
     priority: Annotated[int | None, typer.Option("--priority", help="Lower runs first.")] = None,
-    delay: Annotated[float | None, typer.Option("--delay", help="Seconds before it may run.")] = None,
+    delay: Annotated[str | None, typer.Option("--delay", help="Before it may run: seconds, or 90s, 15m, 2h.")] = None,
     scheduled_at: Annotated[
         str | None,
         typer.Option("--scheduled-at", help="When it may run: ISO 8601 with its time zone (2026-12-01T02:00:00Z)."),
     ] = None,
     max_attempts: Annotated[int | None, typer.Option("--max-attempts")] = None,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Execution timeout, seconds.")] = None,
-    visibility_timeout: Annotated[float | None, typer.Option("--visibility-timeout", help="Lease, seconds.")] = None,
+    timeout: Annotated[str | None, typer.Option("--timeout", help="Execution timeout: seconds, or 90s, 15m.")] = None,
+    visibility_timeout: Annotated[
+        str | None, typer.Option("--visibility-timeout", help="Lease: seconds, or 90s, 15m.")
+    ] = None,
     retry_policy: Annotated[str | None, typer.Option("--retry-policy", help="JSON: backoff, base_seconds...")] = None,
     tenant: Annotated[str | None, typer.Option("--tenant")] = None,
     trace_id: Annotated[str | None, typer.Option("--trace-id")] = None,
@@ -576,17 +595,20 @@ def enqueue(
         problems.append("give --scheduled-at or --delay, not both")
     policy_json, problem = _json_object(retry_policy, "--retry-policy") if retry_policy else (None, "")
     problems += [problem] if problem else []
+    delay_s = _seconds("--delay", delay, problems)
+    timeout_s = _seconds("--timeout", timeout, problems)
+    visibility_s = _seconds("--visibility-timeout", visibility_timeout, problems)
     given = {
         "queue": queue,
         "idempotency_key": idempotency_key,
         "dedup_key": dedup_key,
         "lock_key": lock_key,
         "priority": priority,
-        "delay_seconds": delay,
+        "delay_seconds": delay_s,
         "scheduled_at": at,
         "max_attempts": max_attempts,
-        "timeout_seconds": timeout,
-        "visibility_timeout_seconds": visibility_timeout,
+        "timeout_seconds": timeout_s,
+        "visibility_timeout_seconds": visibility_s,
         "retry_policy": policy_json,
         "tenant_id": tenant,
         "trace_id": trace_id,
