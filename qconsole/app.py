@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +118,9 @@ class QConsoleApp(App[int]):
         self.cursor_blink = cursor_blink
         self.known_queues: list[str] = []
         self.known_types: list[str] = []
+        #: per job, the text of a payload fix (E on its detail) whose requeue did not go through: E shows it
+        #: again (a failed requeue lost a fix made by hand)
+        self.payload_drafts: dict[uuid.UUID, str] = {}
         self.pending_job_filter: dict[str, Any] | None = None
         #: per embedded worker: when its last crash was said, and its crashes left unsaid since
         self._crash_notices: dict[int, tuple[float | None, int]] = {}
@@ -312,7 +316,12 @@ class QConsoleApp(App[int]):
             screen.reload()
 
     def action_help(self) -> None:
-        sections: list[tuple[str, str, list[BindingType]]] = [("Everywhere", "", list(self.BINDINGS))]
+        everywhere = (
+            "An action that changes rows asks first: y does it, r gives a reason for the audit log first (enter then"
+            " does it), n or esc cancels. A form (a limit, a payload fix) says what it does: enter (ctrl+s in the"
+            " payload editor) applies it, with no question after."
+        )
+        sections: list[tuple[str, str, list[BindingType]]] = [("Everywhere", everywhere, list(self.BINDINGS))]
         for cls in (*self.MODES.values(), JobDetailScreen):
             if isinstance(cls, type) and issubclass(cls, ConsoleScreen):
                 sections.append((cls.TITLE_TEXT, cls.HELP, list(cls.BINDINGS)))

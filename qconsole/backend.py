@@ -140,6 +140,7 @@ class ConsoleBackend(Protocol):
         reason: str | None = None,
         groups: Sequence[Mapping[str, Any]] | None = None,
         payload: Mapping[str, Any] | None = None,
+        if_payload: Mapping[str, Any] | None = None,
     ) -> ActionResult: ...
 
     def kill(
@@ -153,10 +154,12 @@ class ConsoleBackend(Protocol):
     def set_paused(self, queue: str, paused: bool, reason: str | None = None) -> ActionResult: ...
 
     def set_limit(
-        self, job_type: str, max_running: int, queue: str = "*", reason: str | None = None
+        self, job_type: str, max_running: int, queue: str = "*", reason: str | None = None, *, current: int | None
     ) -> ActionResult: ...
 
-    def clear_limit(self, job_type: str, queue: str = "*", reason: str | None = None) -> ActionResult: ...
+    def clear_limit(
+        self, job_type: str, queue: str = "*", reason: str | None = None, *, current: int | None
+    ) -> ActionResult: ...
 
     def audit_worker(
         self,
@@ -602,12 +605,16 @@ class DatabaseBackend:
         reason: str | None = None,
         groups: Sequence[Mapping[str, Any]] | None = None,
         payload: Mapping[str, Any] | None = None,
+        if_payload: Mapping[str, Any] | None = None,
     ) -> ActionResult:
         """``groups``: the dead-letter groups the jobs were asked for, said in the audit entry (ops.GROUPS_KEY);
-        ``payload``: one job's corrected payload (the audit entry keeps its diff)."""
+        ``payload``: one job's corrected payload (the audit entry keeps its diff), made from ``if_payload``: a
+        job whose payload is another by now (someone else's fix) is skipped, and says so."""
         if payload is None:
             return self._on_jobs(ops.requeue, job_ids, reason, groups)
-        return self._on_jobs(functools.partial(ops.requeue, payload=payload), job_ids, reason, groups)
+        return self._on_jobs(
+            functools.partial(ops.requeue, payload=payload, if_payload=if_payload), job_ids, reason, groups
+        )
 
     def kill(
         self, job_ids: Sequence[uuid.UUID], reason: str | None = None, groups: Sequence[Mapping[str, Any]] | None = None
@@ -642,25 +649,31 @@ class DatabaseBackend:
             )
         )
 
-    def set_limit(self, job_type: str, max_running: int, queue: str = "*", reason: str | None = None) -> ActionResult:
-        """A type's concurrency limit, from the console: of a type the overview or the job types list shows, so
-        it is not refused as unknown (its worker gone, its jobs pruned meanwhile); a queue no job, worker or
+    def set_limit(
+        self, job_type: str, max_running: int, queue: str = "*", reason: str | None = None, *, current: int | None
+    ) -> ActionResult:
+        """A type's concurrency limit, from the console's form: only if the limit there is still ``current``,
+        the one the form showed (ChangedMeanwhile, else). Of a type the overview or the job types list shows,
+        so it is not refused as unknown (its worker gone, its jobs pruned meanwhile); a queue no job, worker or
         pause names is (a misspelt one typed into the form would hold nothing)."""
         self._refuse_if_read_only()
         return self._act_told(
             lambda c, token: ops.set_limit(
                 c, job_type, max_running, queue=queue, actor=self.actor, reason=reason, clock=self.clock,
-                allow_unknown=True, token=token,
+                allow_unknown=True, token=token, check_current=True, current=current,
             )
         )  # fmt: skip
 
-    def clear_limit(self, job_type: str, queue: str = "*", reason: str | None = None) -> ActionResult:
+    def clear_limit(
+        self, job_type: str, queue: str = "*", reason: str | None = None, *, current: int | None
+    ) -> ActionResult:
         self._refuse_if_read_only()
         return self._act_told(
             lambda c, token: ops.clear_limit(
-                c, job_type, queue=queue, actor=self.actor, reason=reason, clock=self.clock, token=token
+                c, job_type, queue=queue, actor=self.actor, reason=reason, clock=self.clock, token=token,
+                check_current=True, current=current,
             )
-        )
+        )  # fmt: skip
 
     def audit_worker(
         self,

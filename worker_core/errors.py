@@ -67,6 +67,11 @@ class ReadOnlyError(WorkerCoreError):
     """An operator action was attempted in read-only mode."""
 
 
+class ChangedMeanwhile(WorkerCoreError, ValueError):
+    """An operator action made from what was read (a limit in the console's form) found it changed since:
+    nothing was done, so as not to undo another operator's change unseen."""
+
+
 ERROR_KINDS = ("transient", "permanent", "unknown", "timeout", "lease_expired", "cancelled", "crash")
 
 

@@ -17,7 +17,7 @@ import psycopg
 from worker_core.clock import SYSTEM_CLOCK, Clock, now_on
 from worker_core.db import Conn
 from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
-from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
+from worker_core.errors import ChangedMeanwhile, EnvelopeError, NotFound, ReadOnlyError
 from worker_core.metrics import MetricsBuffer
 from worker_core.models import REQUEUEABLE_STATES, ActionResult, JobState
 from worker_core.sql import queries
@@ -63,7 +63,7 @@ def payload_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, di
     a, b = _flatten(old), _flatten(new)
     diff: dict[str, dict[str, Any]] = {}
     for path in sorted(set(a) | set(b)):
-        if path in a and path in b and a[path] == b[path]:
+        if path in a and path in b and same_json(a[path], b[path]):
             continue
         entry = {}
         if path in a:
@@ -72,6 +72,12 @@ def payload_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, di
             entry["new"] = b[path]
         diff[path] = entry
     return diff
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON: ``1``, ``1.0`` and ``true`` differ (Python's ``==`` has them equal, and a fix of a flag
+    stored as 1 to ``true`` read as no change)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def ensure_writable(conn: Conn) -> None:
@@ -222,13 +228,16 @@ def requeue(
     same_payload: bool = False,
     token: str | None = None,
     groups: Sequence[Mapping[str, Any]] | None = None,
+    if_payload: Mapping[str, Any] | None = None,
 ) -> ActionResult:
     """dead_lettered | failed | cancelled -> queued, with ``budget`` fresh attempts and the history kept.
     ``payload`` replaces the payload (a fix), recorded in the audit entry; for more than one job only with
     ``same_payload``: each would get this one, and lose its own. ``token`` (the caller's) goes into the audit
     entry's detail (TOKEN_KEY), as with kill and set_paused. ``groups``: the dead-letter groups the jobs were
     asked for as (job_type, fingerprint, state, jobs), recorded in the detail (GROUPS_KEY), as with kill and
-    discard."""
+    discard. ``if_payload``: only a job whose payload is still this one (the one a fix was made from: the
+    console's editor), else it is skipped, saying so: two engineers' fixes, the second made from the payload
+    the first had already corrected, replaced it unseen."""
     ids = _ids(job_ids)
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_MAX_ATTEMPTS:
         raise ValueError(f"budget must be an integer between 1 and {MAX_MAX_ATTEMPTS}")
@@ -252,6 +261,7 @@ def requeue(
         "now": now,
         "budget": budget,
         "payload": json.dumps(dict(payload)) if payload is not None else None,
+        "if_payload": json.dumps(dict(if_payload)) if if_payload is not None else None,
     }
     with conn.transaction():
         ensure_writable(conn)
@@ -272,12 +282,19 @@ def requeue(
             detail["payload_diff"] = {
                 str(r["id"]): payload_diff(r["old_payload"], dict(payload))
                 for r in rows
-                if r["old_payload"] != dict(payload)
+                if not same_json(r["old_payload"], dict(payload))
             }
         audit_id = _audit(conn, now, actor, "requeue", job_ids=changed, reason=reason, detail=detail)
         for q in sorted({r["queue"] for r in rows}):
             conn.execute(queries["notify_queue"], {"queue": q})
-        return _result(conn, "requeue", ids, changed, audit_id)
+        result = _result(conn, "requeue", ids, changed, audit_id)
+        if if_payload is not None and result.skipped:
+            moved = conn.execute(
+                queries["jobs_payload_changed"], {"ids": result.skipped, "payload": params["if_payload"]}
+            )
+            for r in moved:
+                result.why_skipped[r["id"]] = "its payload changed since it was read (someone else's fix?)"
+        return result
 
 
 def _result(
@@ -498,12 +515,16 @@ def set_limit(
     allow_unknown: bool = False,
     allow_unknown_queue: bool = False,
     token: str | None = None,
+    check_current: bool = False,
+    current: int | None = None,
 ) -> ActionResult:
     """At most ``max_running`` jobs of ``job_type`` (in ``queue``, or every queue) run at once, fleet-wide.
     0 holds them all. Workers pick the change up within a heartbeat; jobs over the limit simply wait. A type
     no worker registered and no job has is refused unless ``allow_unknown``; a queue (but ``default``) no job,
     worker, type or earlier pause names, unless ``allow_unknown_queue``, as pause refuses it. ``token`` as with
-    requeue."""
+    requeue. ``check_current``: only if the limit there is still ``current`` (None: none), as read when the
+    change was made (the console's form), else ChangedMeanwhile and nothing changes: a hold another operator
+    set while the form was open was replaced unseen."""
     if isinstance(max_running, bool) or not isinstance(max_running, int) or not 0 <= max_running <= MAX_LIMIT:
         raise ValueError(f"a concurrency limit must be an integer between 0 and {MAX_LIMIT}")
     if queue != "*" and not QUEUE_RE.match(queue):
@@ -529,6 +550,8 @@ def set_limit(
                     f"no job, worker or earlier pause names queue {queue!r}: check its spelling"
                     " (a limit for a queue still to come: allow_unknown_queue / --unknown-queue)"
                 )
+        if check_current:
+            _check_current_limit(conn, job_type, queue, current)
         conn.execute(
             queries["limit_set"],
             {"job_type": job_type, "queue": queue, "max_running": max_running, "source": "operator",
@@ -542,14 +565,33 @@ def set_limit(
     return ActionResult("limit", 1, [], [], audit_id)
 
 
+def _check_current_limit(conn: Conn, job_type: str, queue: str, current: int | None) -> None:
+    """ChangedMeanwhile unless the limit of ``job_type`` in ``queue`` is ``current`` (None: none), locked."""
+    row = conn.execute(queries["limit_current"], {"job_type": job_type, "queue": queue}).fetchone()
+    now_max = None if row is None else row["max_running"]
+    if now_max != current:
+        scope = "every queue" if queue == "*" else f"queue {queue!r}"
+        was = "no limit" if current is None else f"at most {current}"
+        now = "no limit" if row is None else f"at most {now_max} ({row['source']}" + (
+            f": {row['reason']})" if row["reason"] else ")"
+        )
+        raise ChangedMeanwhile(
+            f"the limit of {job_type!r} in {scope} changed since it was read: {was} then, {now} now."
+            " Nothing changed: read it again"
+        )
+
+
 def clear_limit(
     conn: Conn, job_type: str, *, queue: str = "*", actor: Actor | None = None, reason: str | None = None,
-    clock: Clock = SYSTEM_CLOCK, token: str | None = None,
+    clock: Clock = SYSTEM_CLOCK, token: str | None = None, check_current: bool = False,
+    current: int | None = None,
 ) -> ActionResult:  # fmt: skip
     actor = actor or Actor.current()
     now = now_on(conn, clock)
     with conn.transaction():
         ensure_writable(conn)
+        if check_current:
+            _check_current_limit(conn, job_type, queue, current)
         found = conn.execute(queries["limit_clear"], {"job_type": job_type, "queue": queue}).fetchone()
         if found is None:
             # a misspelt type or queue would clear nothing while the real hold stays, in an incident

@@ -93,7 +93,7 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
                 cancelled=int(w.get("cancelled") or 0),
                 oldest_waiting_seconds=float(r.get("oldest_waiting_seconds", 0.0)),
                 paused=key[0] in paused,
-                concurrency_limit=type_limits.get((key[1], key[0]), type_limits.get((key[1], "*"))),
+                concurrency_limit=tightest_limit(type_limits, key[1], key[0]),
                 throughput_per_min=float(w.get("succeeded") or 0) * per_min,
                 dlq_per_min=float(w.get("dead_lettered") or 0) * per_min,
                 lease_expirations_per_min=float(w.get("lease_expirations") or 0) * per_min,
@@ -147,6 +147,13 @@ def overview(conn: Conn, clock: Clock = SYSTEM_CLOCK, window_minutes: int = WIND
         throughput=dict(throughput),
         limits=limit_rows,
     )
+
+
+def tightest_limit(limits: dict[tuple[str, str], int], job_type: str, queue: str) -> int | None:
+    """The limit that holds a type back most in a queue: its own there and its every-queue one both apply (a
+    type held everywhere, 0, with billing's own 3 read "≤3" in billing, where nothing of it starts)."""
+    found = [n for scope in (queue, "*") if (n := limits.get((job_type, scope))) is not None]
+    return min(found) if found else None
 
 
 def claims(worker: WorkerInfo, queue: str, job_type: str) -> bool:

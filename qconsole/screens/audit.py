@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rich.text import Text
@@ -29,8 +30,8 @@ LIMIT = 200
 
 #: what the detail column leaves out: the console's token (ops.TOKEN_KEY) is how it finds its action's entry
 #: after a lost connection, no reader's business; a limit's type and queue are its target; the groups of a
-#: dead-letter action are said first, in words (output.audit_groups)
-HIDDEN = {TOKEN_KEY, GROUPS_KEY}
+#: dead-letter action are said first, in words (output.audit_groups); a payload fix's diff, in words too
+HIDDEN = {TOKEN_KEY, GROUPS_KEY, "payload_diff"}
 LIMIT_ACTIONS = ("limit", "unlimit")
 
 
@@ -51,6 +52,25 @@ def target(e: AuditEntry) -> str:
     return f"{len(e.job_ids)} job(s)"
 
 
+def payload_fix_text(diffs: dict[str, Any]) -> str:
+    """A payload fix, old value first: ``payload: vat_id "XX1" → "DE123", street (none) → "Main st 1"``; the
+    job's id only where the fix was of several (one job's is the entry's target). It read as a Python dict, keys
+    sorted: ``{'vat_id': {'new': 'DE123', 'old': 'XX1'}}``, new before old, under the job's full id."""
+    if not diffs:
+        return "payload replaced (unchanged)"
+
+    def value(entry: dict[str, Any], side: str) -> str:
+        if side not in entry:
+            return "(none)" if side == "old" else "(removed)"
+        return json.dumps(entry[side], ensure_ascii=False)
+
+    out = []
+    for job_id, diff in diffs.items():
+        changes = ", ".join(f"{path} {value(e, 'old')} → {value(e, 'new')}" for path, e in diff.items())
+        out.append(changes if len(diffs) == 1 else f"{job_id[:8]}: {changes}")
+    return "payload: " + "; ".join(out)
+
+
 def detail(e: AuditEntry) -> str:
     hidden = HIDDEN | ({"job_type", "queue"} if _is_limit(e) else set())
     if is_worker_entry(e):  # what it runs, in the order read: its number and pid are its target
@@ -58,7 +78,7 @@ def detail(e: AuditEntry) -> str:
     else:
         parts = [f"{k}={v}" for k, v in sorted(e.detail.items()) if k != "payload" and k not in hidden]
     if "payload" in e.detail:
-        parts.append("payload replaced")
+        parts.append(payload_fix_text(e.detail.get("payload_diff") or {}))
     if e.reason:
         parts.insert(0, f"reason: {e.reason}")
     groups = audit_groups(e)

@@ -219,14 +219,14 @@ class ConsoleScreen(Screen[None]):
             if n is None:
                 self.start_action(
                     "lift limit",
-                    lambda b: b.clear_limit(req.job_type, req.queue, req.reason),
+                    lambda b: b.clear_limit(req.job_type, req.queue, req.reason, current=req.current),
                     lambda r: f"{req.job_type}: its limit in {where} is lifted.",
                 )
             else:
                 held = " (held: none of them start)" if n == 0 else ""
                 self.start_action(
                     "limit",
-                    lambda b: b.set_limit(req.job_type, n, req.queue, req.reason),
+                    lambda b: b.set_limit(req.job_type, n, req.queue, req.reason, current=req.current),
                     lambda r: f"{req.job_type}: at most {n} running in {where}{held}.",
                 )
 

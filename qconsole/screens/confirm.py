@@ -71,6 +71,9 @@ class ConfirmScreen(ModalScreen[bool]):
         self.ask_reason = ask_reason
         #: what the operator typed as the reason (None: none given)
         self.reason: str | None = None
+        #: answered: a second answer (enter twice, its Submitted delivered after the first dismissed the
+        #: question) popped the screen below it, and the console died of an empty screen stack
+        self.answered = False
         from textual import _time
 
         # the clock Textual stamps its key events with: a key stamped before this was typed before the question
@@ -124,6 +127,12 @@ class ConfirmScreen(ModalScreen[bool]):
         return self.ask_reason or action != "reason"
 
     def action_answer(self, yes: bool) -> None:
+        self._answer(yes)
+
+    def _answer(self, yes: bool) -> None:
+        if self.answered:
+            return
+        self.answered = True
         self.dismiss(yes)
 
     def action_reason(self) -> None:
@@ -139,10 +148,11 @@ class ConfirmScreen(ModalScreen[bool]):
             self.set_focus(None)
             self.query_one("#confirm-keys", Static).update(self._keys())
             return
-        self.dismiss(False)
+        self._answer(False)
 
     @on(Input.Submitted, "#confirm-reason")
     def _reasoned(self, event: Input.Submitted) -> None:
         event.stop()
-        self.reason = event.value.strip() or None
-        self.dismiss(True)
+        if not self.answered:
+            self.reason = event.value.strip() or None
+        self._answer(True)

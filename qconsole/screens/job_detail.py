@@ -19,8 +19,8 @@ from qconsole.backend import ConsoleBackend
 from qconsole.screens.base import ConsoleScreen
 from qconsole.screens.workers import db_state
 from qconsole.widgets import fmt
-from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, Job, JobState
-from worker_core.stats import LOST_AFTER_SECONDS, JobHolders, expired_lease_fate
+from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, ActionResult, Job, JobState
+from worker_core.stats import LOST_AFTER_SECONDS, JobHolders, expired_lease_fate, tightest_limit
 
 #: what the detail shows of a job, at most (the CLI's `qconsole job ID` shows it all)
 MAX_PAYLOAD_LINES = 200
@@ -95,15 +95,17 @@ def worker_said(job: Job, holders: JobHolders) -> str:
 
 
 def type_limit(limits: list[dict[str, Any]], job_type: str, queue: str) -> int | None:
-    """The concurrency limit that holds ``job_type`` in ``queue``: its queue's, else its every-queue one."""
-    found = {(r["job_type"], r["queue"]): r["max_running"] for r in limits}
-    limit = found.get((job_type, queue), found.get((job_type, "*")))
-    return None if limit is None else int(limit)
+    """The concurrency limit that holds ``job_type`` in ``queue`` most: its queue's and its every-queue one both
+    apply."""
+    return tightest_limit({(r["job_type"], r["queue"]): int(r["max_running"]) for r in limits}, job_type, queue)
 
 
 class JobDetailScreen(ConsoleScreen):
     TITLE_TEXT = "Job"
-    HELP = "One job: envelope, payload, every attempt's error, lease and lock."
+    HELP = (
+        "One job: envelope, payload, every attempt's error, lease and lock. E opens a dead, failed or cancelled"
+        " job's payload in an editor: ctrl+s requeues it with the corrected payload, esc cancels."
+    )
     #: a failed read's error replaces the job on screen (show_failure): nothing stale is left to mark
     MARKS_STALE_DATA = False
 
@@ -330,18 +332,27 @@ class JobDetailScreen(ConsoleScreen):
             return
         from qconsole.screens.payload_fix import PayloadFix, PayloadFixScreen
 
+        drafts = self.qapp.payload_drafts
+
         def answered(fix: PayloadFix | None) -> None:
             if fix is None:
+                drafts.pop(job.id, None)
                 self.notify("Requeue cancelled: nothing changed.", markup=False)
                 return
-            self.start_action(
-                "requeue",
-                lambda b: b.requeue([job.id], fix.reason, payload=fix.payload),
-                lambda r: f"Requeued job {fmt.short_id(job.id)} with its payload fixed." if r.count
-                else f"Not requeued: {r.skipped_summary()}.",
-            )  # fmt: skip
+            drafts[job.id] = fix.text  # until the requeue is done: failed, E shows the fix again
 
-        self.app.push_screen(PayloadFixScreen(job), answered)
+            def done(r: ActionResult) -> str:
+                drafts.pop(job.id, None)
+                if r.count:
+                    return f"Requeued job {fmt.short_id(job.id)} with its payload fixed."
+                return f"Not requeued: {r.skipped_summary()}. E shows it as it is now."
+
+            def run(b: ConsoleBackend) -> ActionResult:
+                return b.requeue([job.id], fix.reason, payload=fix.payload, if_payload=fix.made_from)
+
+            self.start_action("requeue", run, done)
+
+        self.app.push_screen(PayloadFixScreen(job, drafts.get(job.id)), answered)
 
     def action_kill(self) -> None:
         job = self.job

@@ -33,6 +33,9 @@ class LimitRequest:
     #: None: lift the limit
     max_running: int | None
     reason: str | None
+    #: the limit there as the form showed it (None: none): changed since, nothing is done (another operator's
+    #: hold is not undone unseen)
+    current: int | None
 
 
 def limit_origin(row: dict[str, Any], now: dt.datetime | None = None) -> str:
@@ -52,10 +55,17 @@ def describe_limit(row: dict[str, Any], now: dt.datetime | None = None) -> str:
 
 
 def default_scope(limits: Sequence[dict[str, Any]], queue: str | None) -> str:
-    """The limit the form opens on: the row's queue's own if it has one, else every queue's."""
-    if queue is not None and any(r["queue"] == queue for r in limits):
-        return queue
-    return EVERY_QUEUE
+    """The limit the form opens on: of those that apply to the row's queue (its own, every queue's), the one
+    that holds back most (a type held everywhere and limited to 3 in billing opened on the 3, and lifting it
+    "lifted" a limit while the type stayed held); with no queue, every queue's."""
+    applying = [r for r in limits if r["queue"] == EVERY_QUEUE or (queue is not None and r["queue"] == queue)]
+    if not applying:
+        return EVERY_QUEUE
+    return str(min(applying, key=lambda r: (r["max_running"], r["queue"] == EVERY_QUEUE))["queue"])
+
+
+#: how many of a type's limits the form lists, each on a line cut to fit: it stays on an 80x24 screen
+SHOWN_LIMITS = 3
 
 
 class LimitScreen(ModalScreen[LimitRequest | None]):
@@ -72,11 +82,10 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         background: $panel;
         padding: 0 1;
     }
-    LimitScreen Label {
-        margin-top: 1;
-    }
     LimitScreen #lim-now {
-        margin-top: 1;
+        margin-bottom: 1;
+        text-wrap: nowrap;
+        text-overflow: ellipsis;
     }
     LimitScreen #lim-error {
         color: $error;
@@ -100,20 +109,25 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         self.limits = [r for r in limits if r["job_type"] == job_type]
         self.queue = queue
         self.now = now
+        #: applied: enter twice (its second Submitted delivered once the form was dismissed) dismissed the screen
+        #: below it, and the console died of an empty screen stack
+        self.applied = False
 
     def compose(self) -> ComposeResult:
         scope = default_scope(self.limits, self.queue)
         current = next((r for r in self.limits if r["queue"] == scope), None)
-        now = Text()
-        now.append(f"{self.job_type}", style="bold")
-        now.append(": at most so many of its jobs run at once, in the whole fleet; the rest wait.\n")
-        if self.limits:
-            now.append("Now: " + "; ".join(describe_limit(r, self.now) for r in self.limits))
-        else:
-            now.append("Now: no limit.")
+        now = Text(no_wrap=True, overflow="ellipsis")
+        now.append(f"{fmt.clip(self.job_type, 60)}", style="bold")
+        now.append(": at most so many run at once, fleet-wide; the rest wait.")
+        if not self.limits:
+            now.append("\nNow: no limit.")
+        for r in self.limits[:SHOWN_LIMITS]:  # a line each, cut where the form ends (reasons run long)
+            now.append("\nNow: " + describe_limit(r, self.now))
+        if len(self.limits) > SHOWN_LIMITS:
+            now.append(f"\n… and {len(self.limits) - SHOWN_LIMITS} more (qconsole limit {self.job_type})")
         with Vertical():
             yield Static(now, id="lim-now")
-            yield Label("At most running (0 holds them all; empty lifts the limit)")
+            yield Label("At most running (0 holds them all; empty lifts it)")
             yield Input(
                 "" if current is None else str(current["max_running"]),
                 placeholder="none: type a number",
@@ -121,7 +135,7 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
                 type="integer",
                 compact=True,
             )
-            yield Label("In queue (* all its queues together; a queue's own limit applies too)")
+            yield Label("In queue (* all its queues together)")
             yield Input(scope, id="lim-queue", compact=True)
             yield Label("Reason (kept in the audit log)")
             yield Input(placeholder="why", id="lim-reason", max_length=MAX_REASON_LENGTH, compact=True)
@@ -140,6 +154,8 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
     @on(Input.Submitted)
     def _submit(self, event: Input.Submitted) -> None:
         event.stop()
+        if self.applied:
+            return
         text = self.query_one("#lim-max", Input).value.strip()
         queue = self.query_one("#lim-queue", Input).value.strip() or EVERY_QUEUE
         reason = self.query_one("#lim-reason", Input).value.strip() or None
@@ -159,7 +175,7 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
                     " instead (workers leave an operator's limit alone)."
                 )
                 return
-            self.dismiss(LimitRequest(self.job_type, queue, None, reason))
+            self._apply(LimitRequest(self.job_type, queue, None, reason, existing["max_running"]))
             return
         try:
             n = int(text)
@@ -168,7 +184,14 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         if not 0 <= n <= MAX_LIMIT:
             self._refuse(f"A limit is a whole number from 0 to {MAX_LIMIT:,}.")
             return
-        self.dismiss(LimitRequest(self.job_type, queue, n, reason))
+        current = None if existing is None else existing["max_running"]
+        self._apply(LimitRequest(self.job_type, queue, n, reason, current))
+
+    def _apply(self, request: LimitRequest) -> None:
+        self.applied = True
+        self.dismiss(request)
 
     def action_cancel(self) -> None:
-        self.dismiss(None)
+        if not self.applied:
+            self.applied = True
+            self.dismiss(None)

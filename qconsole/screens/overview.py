@@ -54,7 +54,8 @@ class OverviewScreen(ConsoleScreen):
         " held by a limit of 0, ≤N one limited to N running; ∅ a type whose jobs wait (or hold expired"
         " leases) and no live worker runs it in that queue; run N✗: some of them hold a lease that expired"
         " (their worker died or froze). Sparklines: the type's jobs done per minute; the queue's average wait"
-        " to start (its last point: the oldest waiting job's age)."
+        " to start (its last point: the oldest waiting job's age). l opens the type's limit form: enter applies"
+        " it (a number, 0 holds the type, empty lifts the limit)."
     )
 
     BINDINGS = [
@@ -275,9 +276,9 @@ class OverviewScreen(ConsoleScreen):
         parts.extend((f"{name} {n}", "") for name, n in optional if n)  # a zero says nothing: left out
         room = width - line.cell_len
         for text, style in parts:
-            if len(text) + 3 > room and text.startswith(fmt.PAUSED) and room > 3 + 12:
-                # who paused it, or held the type, and why: cut where the screen ends, not left out (it is what
-                # the engineer asks before resuming); the rest of it is in `qconsole queues` and on `l`
+            if len(text) + 3 > room and text.startswith((fmt.PAUSED, "≤")) and room > 3 + 12:
+                # who paused it, or held or limited the type, and why: cut where the screen ends, not left out
+                # (it is what the engineer asks before resuming); the rest of it is in `qconsole stats` and on `l`
                 text = fmt.clip(text, room - 3)
             if len(text) + 3 > room:
                 continue  # a later, shorter one may fit
@@ -302,13 +303,12 @@ class OverviewScreen(ConsoleScreen):
         return said
 
     def _limit_of(self, t: TypeStats) -> dict[str, Any] | None:
-        """The limit row the overview's mark shows: the type's own in this queue, else its every-queue one."""
+        """The limit row the overview's mark shows: of the type's own in this queue and its every-queue one
+        (both apply), the one that holds it back most."""
         if self.data is None:
             return None
-        rows = [r for r in self.data.overview.limits if r["job_type"] == t.job_type]
-        return next((r for r in rows if r["queue"] == t.queue), None) or next(
-            (r for r in rows if r["queue"] == "*"), None
-        )
+        rows = [r for r in self.data.overview.limits if r["job_type"] == t.job_type and r["queue"] in (t.queue, "*")]
+        return min(rows, key=lambda r: (r["max_running"], r["queue"] == "*"), default=None)
 
     def on_resize(self) -> None:
         self._paint_detail()

@@ -19,12 +19,17 @@ from qconsole.screens.confirm import MAX_REASON_LENGTH
 from qconsole.widgets import fmt
 from worker_core.envelope import check_payload
 from worker_core.models import Job
+from worker_core.ops import same_json
 
 
 @dataclass(frozen=True)
 class PayloadFix:
     payload: dict[str, Any]
     reason: str | None
+    #: the payload the fix was made from: the job's is another by now (someone else's fix), it is not requeued
+    made_from: dict[str, Any]
+    #: the editor's text, kept until the requeue is done: a requeue that failed lost the hand-made fix
+    text: str
 
 
 def editable(payload: dict[str, Any]) -> str:
@@ -62,9 +67,13 @@ class PayloadFixScreen(ModalScreen[PayloadFix | None]):
         Binding("escape", "cancel", "Cancel"),
     ]
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, draft: str | None = None) -> None:
+        """``draft``: the text of a fix of this job whose requeue did not go through, shown instead of its payload."""
         super().__init__()
         self.job = job
+        self.draft = draft
+        #: applied: a second ctrl+s, once dismissed, is nothing
+        self.applied = False
 
     def compose(self) -> ComposeResult:
         j = self.job
@@ -73,9 +82,12 @@ class PayloadFixScreen(ModalScreen[PayloadFix | None]):
         head.append(f" ({j.state.value}, {j.attempts}/{j.max_attempts} attempts)")
         if j.last_error:
             head.append("\n" + fmt.clip(f"last error: {j.last_error}", 200))
+        if self.draft is not None:
+            head.append("\nyour fix from before, not applied (its requeue did not go through)", style="bold")
         with Vertical():
             yield Static(head, id="fix-job")
-            yield TextArea(editable(j.payload), id="fix-payload", soft_wrap=True, show_line_numbers=True)
+            text = editable(j.payload) if self.draft is None else self.draft
+            yield TextArea(text, id="fix-payload", soft_wrap=True, show_line_numbers=True)
             yield Label("Reason (kept in the audit log, with the payload's diff)")
             yield Input(placeholder="why", id="fix-reason", max_length=MAX_REASON_LENGTH, compact=True)
             yield Static("", id="fix-error")
@@ -95,22 +107,30 @@ class PayloadFixScreen(ModalScreen[PayloadFix | None]):
         self.query_one("#fix-error", Static).update(Text(why))
 
     def action_requeue(self) -> None:
+        if self.applied:
+            return
         text = self.query_one("#fix-payload", TextArea).text
         try:
             payload = json.loads(text)
         except ValueError as e:
             self._refuse(f"Not JSON: {e}. Nothing changed.")
             return
+        except RecursionError:  # nested deeper than Python's stack: json.loads gives up (the console died of it)
+            self._refuse("Not a payload: nested too deep to read. Nothing changed.")
+            return
         problems: list[str] = []
         check_payload(problems, payload)
         if problems:
             self._refuse("; ".join(problems) + ". Nothing changed.")
             return
-        if payload == self.job.payload:
+        if same_json(payload, self.job.payload):  # as JSON: 1 and true differ (Python's == has them equal)
             self._refuse("The payload is unchanged: r on the job requeues it as it is. Nothing changed.")
             return
         reason = self.query_one("#fix-reason", Input).value.strip() or None
-        self.dismiss(PayloadFix(payload, reason))
+        self.applied = True
+        self.dismiss(PayloadFix(payload, reason, self.job.payload, text))
 
     def action_cancel(self) -> None:
-        self.dismiss(None)
+        if not self.applied:
+            self.applied = True
+            self.dismiss(None)

@@ -323,6 +323,7 @@ class FakeBackend:
         reason: str | None = None,
         groups: Sequence[Mapping[str, Any]] | None = None,
         payload: Mapping[str, Any] | None = None,
+        if_payload: Mapping[str, Any] | None = None,
     ) -> ActionResult:
         return self._act("requeue", job_ids, groups)
 
@@ -340,11 +341,15 @@ class FakeBackend:
         self.calls.append(("set_paused", (queue, paused)))
         return ActionResult("pause" if paused else "resume", 1, [], [], audit_id=5)
 
-    def set_limit(self, job_type: str, max_running: int, queue: str = "*", reason: str | None = None) -> ActionResult:
+    def set_limit(
+        self, job_type: str, max_running: int, queue: str = "*", reason: str | None = None, *, current: int | None
+    ) -> ActionResult:
         self.calls.append(("set_limit", (job_type, max_running, queue, reason)))
         return ActionResult("limit", 1, [], [], audit_id=7)
 
-    def clear_limit(self, job_type: str, queue: str = "*", reason: str | None = None) -> ActionResult:
+    def clear_limit(
+        self, job_type: str, queue: str = "*", reason: str | None = None, *, current: int | None
+    ) -> ActionResult:
         self.calls.append(("clear_limit", (job_type, queue, reason)))
         return ActionResult("unlimit", 1, [], [], audit_id=8)
 

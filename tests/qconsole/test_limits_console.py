@@ -161,7 +161,9 @@ def test_the_overview_says_who_paused_a_queue_and_why(dsn: str, conn: db.Conn, m
     assert (q.paused, q.changed_by, q.reason) == (True, "bob", "INC-9 stop the double charges")
 
 
-def test_a_misspelt_queue_in_the_limit_form_is_refused_and_holds_nothing(dsn: str, conn: db.Conn, make_job: Any) -> None:
+def test_a_misspelt_queue_in_the_limit_form_is_refused_and_holds_nothing(
+    dsn: str, conn: db.Conn, make_job: Any
+) -> None:
     make_job("t.ok", {}, queue="billing")
     app = console(dsn)
 

@@ -273,6 +273,13 @@ ON CONFLICT (job_type, queue) DO UPDATE SET max_running = EXCLUDED.max_running, 
     reason = EXCLUDED.reason, updated_at = EXCLUDED.updated_at
 RETURNING job_type;
 
+-- name: limit_current
+-- The limit an operator's change replaces, locked for the change (none: no row to lock; of two changes made at
+-- the same instant to a type with none, the later wins).
+SELECT max_running, source, reason, updated_at FROM concurrency_limits
+WHERE job_type = %(job_type)s AND queue = %(queue)s
+FOR UPDATE;
+
 -- name: limit_clear
 DELETE FROM concurrency_limits WHERE job_type = %(job_type)s AND queue = %(queue)s
 RETURNING job_type, source, max_running;
@@ -881,6 +888,8 @@ SELECT current_setting('transaction_read_only') = 'on' AS ro;
 WITH locked AS MATERIALIZED (
     SELECT id, payload, coalesce(dedup_key, released_dedup_key) AS dedup_key, created_at FROM job_queue
     WHERE id = ANY(%(ids)s) AND state IN ('dead_lettered', 'failed', 'cancelled')
+      -- a fix made from the payload an operator read: not over one another made meanwhile
+      AND (%(if_payload)s::jsonb IS NULL OR payload = %(if_payload)s::jsonb)
     ORDER BY id FOR UPDATE
 ), old AS (
     SELECT id, payload, dedup_key,
@@ -898,6 +907,10 @@ WHERE j.id = old.id AND j.state IN ('dead_lettered', 'failed', 'cancelled') AND 
         SELECT 1 FROM job_queue l
         WHERE l.dedup_key = old.dedup_key AND l.state IN ('queued', 'running', 'retry_scheduled')))
 RETURNING j.id, j.queue, j.max_attempts - j.attempts AS budget, old.payload AS old_payload;
+
+-- name: jobs_payload_changed
+-- Of the jobs a requeue with if_payload skipped, those whose payload is no longer the one the fix was made from.
+SELECT id FROM job_queue WHERE id = ANY(%(ids)s) AND payload <> %(payload)s::jsonb;
 
 -- name: jobs_state_and_dedup
 SELECT id, state, coalesce(dedup_key, released_dedup_key) AS dedup_key, cancel_requested FROM job_queue
