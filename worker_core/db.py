@@ -148,7 +148,9 @@ def _tcp_defaults(dsn: str) -> dict[str, Any]:
     return {k: v for k, v in TCP_DEFAULTS.items() if k not in given}
 
 
-def _options(dsn: str, statement_timeout_ms: int | None, read_only: bool, jit: bool = True) -> str | None:
+def _options(
+    dsn: str, statement_timeout_ms: int | None, read_only: bool, jit: bool = True, lock_timeout_ms: int | None = None
+) -> str | None:
     """Server settings for the connection, after the DSN's own ``options``, else ``$PGOPTIONS``: the keyword
     replaces both in libpq (a ``search_path`` set in ``PGOPTIONS`` held on a worker's job connections and
     not on its own, nor on the console's or the CLI's)."""
@@ -163,6 +165,8 @@ def _options(dsn: str, statement_timeout_ms: int | None, read_only: bool, jit: b
         opts.append(str(given))
     if statement_timeout_ms:
         opts.append(f"-c statement_timeout={int(statement_timeout_ms)}")
+    if lock_timeout_ms:
+        opts.append(f"-c lock_timeout={int(lock_timeout_ms)}")
     if read_only:
         opts.append("-c default_transaction_read_only=on")
     if not jit:
@@ -176,6 +180,7 @@ def connect(
     application_name: str = "worker_core",
     autocommit: bool = False,
     statement_timeout_ms: int | None = None,
+    lock_timeout_ms: int | None = None,
     read_only: bool = False,
     connect_timeout: int = 5,
     cls: type[Conn] = psycopg.Connection,
@@ -184,14 +189,16 @@ def connect(
 ) -> Conn:
     """A connection with dict rows. ``read_only`` makes every transaction read-only on the server side;
     ``jit=False`` turns the server's JIT compilation off (the console's short reads paid 40-130 ms of it on
-    large tables, for nothing); ``tolerant_json``: see read_json."""
+    large tables, for nothing); ``tolerant_json``: see read_json. ``lock_timeout_ms``: how long any statement of
+    the connection waits for a lock (a table's, a row's) before it fails with LockNotAvailable, where
+    ``statement_timeout_ms`` bounds the whole statement."""
     kwargs: dict[str, Any] = {
         "application_name": application_name,
         "connect_timeout": connect_timeout,
         **_tcp_defaults(dsn),
     }
-    if statement_timeout_ms or read_only or not jit:
-        kwargs["options"] = _options(dsn, statement_timeout_ms, read_only, jit)
+    if statement_timeout_ms or lock_timeout_ms or read_only or not jit:
+        kwargs["options"] = _options(dsn, statement_timeout_ms, read_only, jit, lock_timeout_ms)
     try:
         conn = cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, **kwargs)
     except psycopg.OperationalError:
