@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -84,6 +84,13 @@ SOLO_DRAIN_SECONDS = 30.0
 #: a worker's clock further than this from the database server's is said in its log (Worker._check_clock):
 #: the worker itself then runs on the server's time (ServerAlignedClock), what else runs on its host does not
 CLOCK_SKEW_WARN_SECONDS = 5.0
+#: how long a statement of a beat waits for a lock before it gives up for this beat (the heartbeat connection's
+#: lock_timeout): one beat interval, within these bounds. A table lock (a DBA's LOCK TABLE, a VACUUM FULL, an
+#: ALTER TABLE, a migration) held up the whole beat until the statement timeout (30 s): behind a lock on
+#: job_queue the worker's own row was never beaten, and every worker with jobs in flight read as lost. The
+#: floor: the brief row waits of the fleet's metrics upserts must not fail the beats of a short interval
+BEAT_LOCK_WAIT_MIN_SECONDS = 0.5
+BEAT_LOCK_WAIT_MAX_SECONDS = 5.0
 CLAIM_RUN = queries["claim_run"].encode()
 PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
@@ -241,6 +248,10 @@ class Worker:
         self._idle_until = 0.0
         #: this host's clock minus the database server's, at the last beat (seconds; None: not measured)
         self.clock_skew_seconds: float | None = None
+        #: since when (monotonic) beats have been giving up on locks (None: the last one did not), and when
+        #: that was last said
+        self._held_up_since: float | None = None
+        self._held_up_said_at = 0.0
         self._skew_said_until = 0.0
         self.zombies = 0
         self.claimed_total = 0
@@ -1028,17 +1039,26 @@ class Worker:
                 backoff = min(backoff * 2, 10.0)
 
     def _heartbeat_main(self) -> None:
-        while not self._halted.wait(self.config.heartbeat_interval):
-            self._heartbeat_once()
+        interval = self.config.heartbeat_interval
+        wait = interval
+        while not self._halted.wait(wait):
+            began = time.monotonic()
+            held_up = self._heartbeat_once()
+            # a beat that gave up on a lock counts that wait towards its interval: under a long table lock its
+            # jobs' lease update is queued for the lock again at once (granted with the claims' when it is
+            # released), and the worker's row is still beaten about once an interval
+            wait = max(0.0, interval - (time.monotonic() - began)) if held_up else interval
 
-    def _heartbeat_once(self) -> None:
+    def _heartbeat_once(self) -> bool:
+        """One beat; True if a statement of it gave up waiting for a lock (see _flush_and_beat)."""
         try:
-            self._flush_and_beat()
+            return self._flush_and_beat()
         except psycopg.Error as e:
             self.log.warning("heartbeat failed: %s", db.redact(str(e).strip(), self.dsn))
             self._hb_conn = None
         except Exception:
             self.log.exception("heartbeat error")
+        return False
 
     _hb_conn: db.Conn | None = None
 
@@ -1057,29 +1077,66 @@ class Worker:
             ex.ctx.cancel("lock_lost")
         return True
 
+    @property
+    def beat_lock_wait_seconds(self) -> float:
+        """How long a statement of a beat waits for a lock (BEAT_LOCK_WAIT_MIN_SECONDS)."""
+        interval = self.config.heartbeat_interval
+        return min(max(interval, BEAT_LOCK_WAIT_MIN_SECONDS), BEAT_LOCK_WAIT_MAX_SECONDS)
+
     def _heartbeat_conn(self) -> db.Conn:
         if self._hb_conn is None or self._hb_conn.closed or self._hb_conn.broken:
             name, timeout = self.config.application_name, db.OWN_STATEMENT_TIMEOUT_MS
-            self._hb_conn = db.connect(self.dsn, application_name=name, statement_timeout_ms=timeout)
+            self._hb_conn = db.connect(
+                self.dsn,
+                application_name=name,
+                statement_timeout_ms=timeout,
+                lock_timeout_ms=int(self.beat_lock_wait_seconds * 1000),
+            )
         return self._hb_conn
 
-    def _flush_and_beat(self, final: bool = False) -> None:
+    @contextlib.contextmanager
+    def _unless_locked(self, what: str, held_up: list[str]) -> Iterator[None]:
+        """A part of a beat that gives up on a lock (LockNotAvailable, after the connection's lock_timeout):
+        noted in ``held_up``, and the beat's other parts go on, on the same connection (the transaction was
+        rolled back). Any other error ends the beat, as before."""
+        try:
+            yield
+        except psycopg.errors.LockNotAvailable:
+            held_up.append(what)
+
+    def _flush_and_beat(self, final: bool = False) -> bool:
+        """A beat: the leases of the jobs in flight and waiting for the completer, then the worker's own row
+        (its stop, on the final beat), their lock_key leases, the metrics,
+        the claim filters, the look for solo work. Each part waits for a lock at most beat_lock_wait_seconds
+        and gives up for this beat (_unless_locked), the others go on: behind a lock on job_queue the worker's
+        row is beaten all the same (it read as lost after 30 s, while alive), and behind one on workers the
+        leases are extended all the same. Returns whether a part gave up on a lock.
+
+        Under a lock on job_queue (one that blocks the leases' UPDATE blocks every claim's too: the same lock
+        mode) no lease is extended, and no other worker can take a job meanwhile; a lease that ran out while
+        the table was locked is an expired lease when it is released, as after any other outage."""
         conn = self._heartbeat_conn()
         now = self.clock.now()
+        held_up: list[str] = []
         in_flight = list(self._in_flight.values())
         # and the jobs whose handler is done, waiting for the completer to settle them: their leases ran out
         # while it could not (a row locked by an operator's open transaction, the database away), and they
         # were run again. Its fenced settlement finds what became of them: nothing to cancel here
         settling = self.completer.waiting()
         locked = [ex for ex in in_flight if ex.lock is not None]
+        leases_held_up = False
         if in_flight or settling:
             ids = [ex.job["id"] for ex in in_flight] + [ex.job["id"] for ex in settling]
-            with conn.transaction():
+            rows: list[dict[str, Any]] | None = None
+            with self._unless_locked("the jobs' leases (job_queue)", held_up), conn.transaction():
                 rows = conn.execute(
                     queries["heartbeat_jobs"], {"now": now, "worker": self.id, "ids": array_literal(ids)}
                 ).fetchall()
-            held = {r["id"]: r for r in rows}
-            for ex in in_flight:
+            # not read (the table locked): neither lost nor killed, as far as this beat can tell; their lock_key
+            # leases are extended, those of the jobs waiting for the completer only once their rows are read
+            leases_held_up = rows is None
+            held = {r["id"]: r for r in rows or ()}
+            for ex in in_flight if rows is not None else ():
                 r = held.get(ex.job["id"])
                 if r is None or r["attempts"] != ex.job["attempts"]:
                     ex.ctx.cancel("lease_lost")
@@ -1093,7 +1150,8 @@ class Worker:
                 r = held.get(ex.job["id"])
                 if ex.lock is not None and ex.job["id"] not in running and r and r["attempts"] == ex.job["attempts"]:
                     locked.append(ex)
-        with conn.transaction():
+        # the worker's own row, in a transaction of its own, whatever became of its jobs' leases
+        with self._unless_locked("the worker's row (workers)", held_up), conn.transaction():
             if final:
                 conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})
             else:
@@ -1119,11 +1177,35 @@ class Worker:
         for ex in locked:
             if not (ex.ctx.cancelled and not ex.settling) and not self._extend_lock(conn, ex):
                 break
-        self.metrics.flush(conn)
+        with self._unless_locked("the metrics (job_metrics_minute)", held_up):
+            self.metrics.flush(conn)
         if not final:
-            self._refresh_claim_filters(conn)
-        if not final:
-            self._look_for_solo_work(conn)
+            with self._unless_locked("the claim filters (queues, concurrency_limits)", held_up):
+                self._refresh_claim_filters(conn)
+        # not while job_queue is locked: its claims wait for it too, and this read would wait once more
+        if not final and not leases_held_up:
+            with self._unless_locked("the look for solo work (job_queue)", held_up):
+                self._look_for_solo_work(conn)
+        self._say_held_up(held_up)
+        return bool(held_up)
+
+    def _say_held_up(self, held_up: list[str]) -> None:
+        """Beats that give up on a lock, said once a minute while they do, and when they no longer do."""
+        at = time.monotonic()
+        if not held_up:
+            if self._held_up_since is not None:
+                self.log.info("heartbeat: no longer held up by a lock (after %.0f s)", at - self._held_up_since)
+                self._held_up_since = None
+            return
+        if self._held_up_since is None:
+            self._held_up_since = at
+        if at >= self._held_up_said_at + 60:
+            self._held_up_said_at = at
+            self.log.warning(
+                "heartbeat: %s waited %.1f s for a lock another session holds (LOCK TABLE, VACUUM FULL, ALTER"
+                " TABLE, a migration?): tried again next beat, the rest of the beat went on",
+                ", ".join(held_up), self.beat_lock_wait_seconds,
+            )  # fmt: skip
 
     def _host_now(self) -> dt.datetime:
         return self.clock.host_now() if isinstance(self.clock, ServerAlignedClock) else self.clock.now()
