@@ -91,6 +91,9 @@ CLOCK_SKEW_WARN_SECONDS = 5.0
 #: floor: the brief row waits of the fleet's metrics upserts must not fail the beats of a short interval
 BEAT_LOCK_WAIT_MIN_SECONDS = 0.5
 BEAT_LOCK_WAIT_MAX_SECONDS = 5.0
+#: how long a stopping worker keeps trying to record its stop (workers.stopped_at) that failed (a lock on
+#: workers, the connection lost): not recorded, it reads as lost until its row is pruned, a day later
+STOP_RECORD_SECONDS = 5.0
 CLAIM_RUN = queries["claim_run"].encode()
 PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
@@ -410,7 +413,8 @@ class Worker:
         try:
             self._flush_and_beat(final=True)
         except Exception as e:
-            self.log.warning("could not record the worker's stop: %s", db.redact(str(e), self.dsn))
+            self.log.warning("the final heartbeat failed: %s", db.redact(str(e).strip(), self.dsn))
+        self._record_stop()
         if self._claim_conn is not None:
             self._claim_conn.close()
         if self._hb_conn is not None:
@@ -1106,7 +1110,7 @@ class Worker:
 
     def _flush_and_beat(self, final: bool = False) -> bool:
         """A beat: the leases of the jobs in flight and waiting for the completer, then the worker's own row
-        (its stop, on the final beat), their lock_key leases, the metrics,
+        (not on the final beat: _record_stop writes the stop after it), their lock_key leases, the metrics,
         the claim filters, the look for solo work. Each part waits for a lock at most beat_lock_wait_seconds
         and gives up for this beat (_unless_locked), the others go on: behind a lock on job_queue the worker's
         row is beaten all the same (it read as lost after 30 s, while alive), and behind one on workers the
@@ -1151,10 +1155,8 @@ class Worker:
                 if ex.lock is not None and ex.job["id"] not in running and r and r["attempts"] == ex.job["attempts"]:
                     locked.append(ex)
         # the worker's own row, in a transaction of its own, whatever became of its jobs' leases
-        with self._unless_locked("the worker's row (workers)", held_up), conn.transaction():
-            if final:
-                conn.execute(queries["worker_stopped"], {"now": now, "id": self.id})
-            else:
+        if not final:
+            with self._unless_locked("the worker's row (workers)", held_up), conn.transaction():
                 sent_at = self._host_now()
                 beat = conn.execute(
                     queries["worker_upsert"],
@@ -1206,6 +1208,33 @@ class Worker:
                 " TABLE, a migration?): tried again next beat, the rest of the beat went on",
                 ", ".join(held_up), self.beat_lock_wait_seconds,
             )  # fmt: skip
+
+    def _record_stop(self) -> None:
+        """The worker's stop, in its row (stopped_at): the console and ``qconsole workers`` then say
+        "stopped", not "lost" (a day long, until its row is pruned). A try that fails (the workers table
+        locked: the connection's lock_timeout; the connection lost, in a failover) is made again, on a new
+        connection if need be, for STOP_RECORD_SECONDS at most: the process exits after it, and a supervisor
+        gives its stop 10 s beyond the grace periods. A server that cannot be reached is not tried again."""
+        deadline = time.monotonic() + STOP_RECORD_SECONDS
+        while True:
+            try:
+                conn = self._heartbeat_conn()
+            except psycopg.Error as e:
+                self.log.warning("could not record the worker's stop: %s", db.redact(str(e).strip(), self.dsn))
+                return
+            try:
+                with conn.transaction():
+                    conn.execute(queries["worker_stopped"], {"now": self.clock.now(), "id": self.id})
+                return
+            except psycopg.Error as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.log.warning("could not record the worker's stop: %s", db.redact(str(e).strip(), self.dsn))
+                    return
+                if not isinstance(e, psycopg.errors.LockNotAvailable):
+                    self._close_quietly(conn)
+                    self._hb_conn = None
+                time.sleep(min(0.5, left))
 
     def _host_now(self) -> dt.datetime:
         return self.clock.host_now() if isinstance(self.clock, ServerAlignedClock) else self.clock.now()

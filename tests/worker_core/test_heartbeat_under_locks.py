@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from tests.worker_core.helpers import WorkerThread, running_worker, scalar, wait_for
-from worker_core import db, stats
+from worker_core import db, stats, worker
 from worker_core.clock import SYSTEM_CLOCK
 
 
@@ -170,3 +170,29 @@ def test_a_worker_stopping_while_job_queue_is_locked_records_its_stop(dsn: str, 
     # once the lock is gone, the slot's release goes through: the job is queued again, not run twice
     wait_for(lambda: scalar(dsn, "SELECT state FROM job_queue WHERE id = %s", (job,)) == "queued", 35)
     assert scalar(dsn, "SELECT attempts FROM job_queue WHERE id = %s", (job,)) == 0
+
+
+def test_a_stop_record_held_up_by_a_short_lock_on_workers_is_made_once_the_lock_ends(dsn: str) -> None:
+    # each try waits beat_lock_wait_seconds for the lock and is made again, for STOP_RECORD_SECONDS at most
+    wt = WorkerThread(dsn, burst=False, concurrency=1, heartbeat_interval=0.5).start()
+    wait_for(lambda: wt.worker.id in _heartbeat_ages(dsn, [wt.worker.id]), 10, what="the worker's row")
+    with _locked(dsn, "workers") as release:
+        threading.Timer(2.0, release.set).start()
+        assert wt.stop(timeout=20) == 0
+    assert scalar(dsn, "SELECT stopped_at IS NOT NULL FROM workers WHERE id = %s", (wt.worker.id,))
+
+
+def test_a_stop_record_held_up_by_a_long_lock_on_workers_gives_up_in_bounded_time(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="worker_core.worker")
+    wt = WorkerThread(dsn, burst=False, concurrency=1, heartbeat_interval=0.5).start()
+    wait_for(lambda: wt.worker.id in _heartbeat_ages(dsn, [wt.worker.id]), 10, what="the worker's row")
+    with _locked(dsn, "workers"):
+        began = time.monotonic()
+        assert wt.stop(timeout=30) == 0
+        took = time.monotonic() - began
+    # the heartbeat thread's last beat (a lock wait at most), then the stop record's tries
+    assert took < worker.STOP_RECORD_SECONDS + 2 * wt.worker.beat_lock_wait_seconds + 3, f"the stop took {took:.1f} s"
+    assert any("could not record the worker's stop" in r.getMessage() for r in caplog.records)
+    assert scalar(dsn, "SELECT stopped_at IS NULL FROM workers WHERE id = %s", (wt.worker.id,))
