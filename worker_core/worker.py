@@ -648,6 +648,9 @@ class Worker:
         try:
             conn = self._heartbeat_conn()
             with conn.transaction():
+                # once, at start: it waits for a lock as it did before the connection's lock_timeout (a beat's
+                # bound), up to the statement timeout, rather than give up and leave the contracts unpublished
+                conn.execute("SET LOCAL lock_timeout = 0")
                 conn.execute(
                     queries["contract_upsert"], {"rows": json.dumps(rows), "worker": self.id, "now": self.clock.now()}
                 )

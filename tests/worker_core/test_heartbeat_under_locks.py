@@ -196,3 +196,16 @@ def test_a_stop_record_held_up_by_a_long_lock_on_workers_gives_up_in_bounded_tim
     assert took < worker.STOP_RECORD_SECONDS + 2 * wt.worker.beat_lock_wait_seconds + 3, f"the stop took {took:.1f} s"
     assert any("could not record the worker's stop" in r.getMessage() for r in caplog.records)
     assert scalar(dsn, "SELECT stopped_at IS NULL FROM workers WHERE id = %s", (wt.worker.id,))
+
+
+def test_a_worker_starting_behind_a_short_lock_on_the_contracts_still_publishes_them(dsn: str) -> None:
+    # published once, at start, on the heartbeat's connection: they wait for a lock as before (up to the
+    # statement timeout), not a beat's lock wait, which gave up and left them unpublished until a restart
+    with _locked(dsn, "job_type_contracts") as release:
+        threading.Timer(2.0, release.set).start()
+        with running_worker(dsn, concurrency=1, heartbeat_interval=0.5) as w:
+            wait_for(
+                lambda: scalar(dsn, "SELECT count(*) FROM job_type_contracts WHERE reported_by = %s", (w.id,)) > 0,
+                15,
+                what="the worker's contracts",
+            )
