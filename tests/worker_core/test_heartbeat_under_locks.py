@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.worker_core.helpers import WorkerThread, running_worker, scalar, wait_for
+from tests.worker_core.helpers import WorkerThread, config, running_worker, scalar, wait_for
 from worker_core import db, stats, worker
 from worker_core.clock import SYSTEM_CLOCK
 
@@ -63,6 +63,19 @@ def _heartbeat_ages(dsn: str, ids: list[str]) -> dict[str, float]:
             (ids,),
         ).fetchall()
     return {r["id"]: r["age"] for r in rows}
+
+
+@pytest.mark.parametrize(("interval", "shown"), [(2.0, "2s"), (0.1, "500ms"), (30.0, "5s")])
+def test_the_heartbeats_connection_waits_for_a_lock_one_beat_interval_within_bounds(
+    dsn: str, interval: float, shown: str
+) -> None:
+    w = worker.Worker(config(dsn, heartbeat_interval=interval))
+    conn = w._heartbeat_conn()
+    try:
+        row = conn.execute("SELECT current_setting('lock_timeout') AS l, current_setting('statement_timeout') AS s")
+        assert row.fetchone() == {"l": shown, "s": "30s"}
+    finally:
+        conn.close()
 
 
 @pytest.mark.slow
