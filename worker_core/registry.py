@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +29,39 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     if inspect.isroutine(fn) or not callable(fn):
         return False
     return inspect.iscoroutinefunction(type(fn).__call__)
+
+
+class HandlerSignatureError(TypeError, ValueError):
+    """A handler that cannot be called as ``handler(ctx, payload)``. A TypeError, and a ValueError as the
+    registry's other refusals are (the CLI says "a task module's @task is refused" for those)."""
+
+
+def _name(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_name(fn.func)}, ...)"
+    return str(getattr(fn, "__qualname__", None) or type(fn).__qualname__)
+
+
+def check_handler(job_type: str, fn: Any) -> None:
+    """Refuse, at registration, a handler the worker cannot call as ``handler(ctx, payload)``: registered, a
+    ``def h(payload)`` or ``def h(ctx, *, payload)`` failed every job of its type with a TypeError, classed
+    unknown, retried through its whole budget and dead-lettered. What is called is checked, not what it wraps
+    (a decorator made with functools.wraps may call its function with other arguments); a callable whose
+    signature cannot be read (some builtins, C extensions) is taken as it is."""
+    if not callable(fn):
+        raise HandlerSignatureError(f"@task({job_type!r}): the handler must be callable, not {type(fn).__name__}")
+    try:
+        sig = inspect.signature(fn, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, None)
+    except TypeError as e:
+        name = _name(fn)
+        raise HandlerSignatureError(
+            f"@task({job_type!r}): {name}{sig} cannot be called as handler(ctx, payload) ({e}): a handler takes"
+            " the job's context and its payload as its first two positional parameters, def handler(ctx, payload)"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -114,6 +148,7 @@ class Registry:
     def register(self, task: Task) -> Task:
         if not JOB_TYPE_RE.match(task.job_type):
             raise ValueError(f"job type {task.job_type!r} must match [a-z0-9_.-]+")
+        check_handler(task.job_type, task.fn)
         if task.overrides() and not (task.reason or "").strip():
             raise policy.PolicyError(
                 f"@task({task.job_type!r}) overrides {', '.join(sorted(task.overrides()))} of the deployment's "
