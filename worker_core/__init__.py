@@ -1,8 +1,9 @@
 """worker_core: one uniform job contract on PostgreSQL. No UI code lives here."""
 
 from worker_core.clock import FixedClock, SystemClock
-from worker_core.context import JobContext
+from worker_core.context import AsyncJobContext, JobContext
 from worker_core.coordination import SingleFlightTimeout, asingle_flight, single_flight
+from worker_core.envelope import EnvelopeFields
 from worker_core.errors import (
     EnvelopeError,
     JobTimeout,
@@ -18,8 +19,10 @@ from worker_core.registry import Task, registry, task
 from worker_core.retry import RetryPolicy
 
 __all__ = [
+    "AsyncJobContext",
     "EnqueueResult",
     "EnvelopeError",
+    "EnvelopeFields",
     "FixedClock",
     "Job",
     "JobContext",

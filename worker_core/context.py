@@ -1,4 +1,8 @@
-"""What a handler receives: ``handler(ctx, payload)``."""
+"""What a handler receives: ``handler(ctx, payload)``.
+
+``ctx.tx`` is typed by the context's parameter: ``JobContext`` (a sync handler's) gives a psycopg
+``Connection``, ``AsyncJobContext`` (``JobContext[psycopg.AsyncConnection[dict[str, Any]]]``, an async
+handler's) an ``AsyncConnection``; their rows are dicts either way."""
 
 from __future__ import annotations
 
@@ -6,16 +10,26 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic
+
+import psycopg
+from typing_extensions import TypeVar
 
 from worker_core.logs import JobLogger, bound_logger
+
+#: ``ctx.tx`` of a sync handler: the slot's connection, in the job's transaction
+SyncTx = psycopg.Connection[dict[str, Any]]
+#: ``ctx.tx`` of an async handler
+AsyncTx = psycopg.AsyncConnection[dict[str, Any]]
+#: what ``ctx.tx`` is: a bare ``JobContext`` is a sync handler's
+TxT = TypeVar("TxT", bound=SyncTx | AsyncTx, default=SyncTx)
 
 #: guards the lazy creation of a context's cancel event against a concurrent ``cancel``
 _CANCEL_LOCK = threading.Lock()
 
 
 @dataclass(eq=False)
-class JobContext:
+class JobContext(Generic[TxT]):
     job_id: uuid.UUID
     job_type: str
     queue: str
@@ -49,15 +63,18 @@ class JobContext:
         return self._logger
 
     @property
-    def tx(self) -> Any:
+    def tx(self) -> TxT:
+        """The job's transaction (see ``_tx``): a psycopg ``Connection`` for a sync handler, an
+        ``AsyncConnection`` for an async one (annotate its ``ctx`` as ``AsyncJobContext``)."""
         if not self.tx_used:
             self.tx_used = True
             if self._on_tx is not None:
                 self._on_tx()
-        return self._tx
+        tx: TxT = self._tx
+        return tx
 
     @tx.setter
-    def tx(self, conn: Any) -> None:
+    def tx(self, conn: SyncTx | AsyncTx | None) -> None:
         self._tx = conn
 
     @property
@@ -82,3 +99,7 @@ class JobContext:
                     self._cancel.set()
             event = self._cancel
         return event.wait(timeout)
+
+
+#: what an async handler receives: ``async def h(ctx: AsyncJobContext, payload: dict[str, Any]) -> None``
+AsyncJobContext = JobContext[AsyncTx]

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from worker_core.errors import EnvelopeError
 from worker_core.retry import DEFAULT_RETRY_POLICY, RetryPolicy
@@ -354,3 +354,29 @@ def build_envelope(
         tenant_id=tenant_id,
         trace_id=trace_id,
     )
+
+
+# --- types for a producer's type checker ------------------------------------------------------------------
+
+
+class EnvelopeFields(TypedDict, total=False):
+    """The envelope fields ``enqueue`` takes as keyword arguments (ENVELOPE_FIELDS), typed as build_envelope
+    takes them: for ``**envelope: Unpack[EnvelopeFields]``, a misspelt ``idempotancy_key=`` or a
+    ``priority="high"`` is a type checker's error, not only an EnvelopeError at run time. Every one may be
+    left out (the type's defaults, the deployment's policy); None is the same as leaving it out."""
+
+    queue: str
+    idempotency_key: str | None
+    dedup_key: str | None
+    lock_key: str | None
+    priority: int
+    #: timezone-aware; not with delay_seconds
+    scheduled_at: dt.datetime | None
+    delay_seconds: float
+    max_attempts: int
+    timeout_seconds: float
+    visibility_timeout_seconds: float | None
+    #: the fields it names override the type's: RetryPolicy(base_seconds=5), or {"base_seconds": 5}
+    retry_policy: RetryPolicy | Mapping[str, Any] | None
+    tenant_id: str | None
+    trace_id: str | None

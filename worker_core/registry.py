@@ -11,11 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from worker_core import policy
+from worker_core.context import JobContext
 from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, TypeDefaults, _number
 from worker_core.models import TypeContract
 from worker_core.retry import RetryPolicy
 
-F = TypeVar("F", bound=Callable[..., Any])
+#: a handler, as ``@task`` takes it: callable as ``handler(ctx, payload)``, sync or async (its result is not
+#: used). The decorator gives back the handler's own type; mypy flags one that cannot take those two.
+Handler = TypeVar("Handler", bound=Callable[[JobContext[Any], Any], object])
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
@@ -201,13 +204,13 @@ def task(
     requires_idempotency_key: bool = False,
     concurrency: int | None = None,
     reason: str | None = None,
-) -> Callable[[F], F]:
+) -> Callable[[Handler], Handler]:
     """Register a handler ``fn(ctx, payload)`` for a job type.
 
     ``max_attempts``, ``timeout``, ``visibility_timeout`` and ``retry`` override the deployment's policy
     (worker_core.policy) for this type, and need a ``reason``."""
 
-    def decorate(fn: F) -> F:
+    def decorate(fn: Handler) -> Handler:
         registry.register(
             Task(
                 job_type=job_type,
