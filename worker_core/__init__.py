@@ -1,4 +1,9 @@
-"""worker_core: one uniform job contract on PostgreSQL. No UI code lives here."""
+"""worker_core: one uniform job contract on PostgreSQL. No UI code lives here.
+
+``Worker`` and ``WorkerConfig`` (worker_core.worker) are imported on first use: a producer's ``import
+worker_core`` does not load the worker's machinery."""
+
+from typing import TYPE_CHECKING, Any
 
 from worker_core.clock import FixedClock, SystemClock
 from worker_core.context import AsyncJobContext, JobContext
@@ -17,6 +22,9 @@ from worker_core.optimistic import VersionConflict, aversioned_update, versioned
 from worker_core.producer import enqueue, enqueue_many
 from worker_core.registry import Task, registry, task
 from worker_core.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from worker_core.worker import Worker, WorkerConfig
 
 __all__ = [
     "AsyncJobContext",
@@ -37,6 +45,8 @@ __all__ = [
     "Task",
     "TransientError",
     "VersionConflict",
+    "Worker",
+    "WorkerConfig",
     "asingle_flight",
     "aversioned_update",
     "enqueue",
@@ -46,3 +56,21 @@ __all__ = [
     "task",
     "versioned_update",
 ]
+
+
+_LAZY = ("Worker", "WorkerConfig")
+
+
+def __getattr__(name: str) -> Any:
+    """``worker_core.Worker``, ``from worker_core import WorkerConfig``: imported when first asked for."""
+    if name in _LAZY:
+        from worker_core import worker
+
+        value = getattr(worker, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'worker_core' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

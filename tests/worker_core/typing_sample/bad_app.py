@@ -38,3 +38,9 @@ async def async_with_a_sync_context(ctx: JobContext, payload: dict[str, Any]) ->
 
 misspelt: EnvelopeFields = {"idempotancy_key": "invoice:ord_987"}  # expect: typeddict-unknown-key
 wrong_type: EnvelopeFields = {"priority": "high"}  # expect: typeddict-item
+
+
+def run_worker(dsn: str) -> None:
+    from worker_core import Worker, WorkerConfig
+
+    Worker(WorkerConfig(dsn=dsn, task_modules="myapp.tasks"))  # expect: arg-type

@@ -91,3 +91,19 @@ def produce(conn: psycopg.Connection[Any]) -> EnqueueResult:
             retry_policy=RetryPolicy(base_seconds=5),
             delay_seconds=1.5,
         )
+
+
+def run_workers(dsn: str) -> int:
+    """README, "Running a worker from Python": in a thread until stop(), then a burst."""
+    import threading
+
+    from worker_core import Worker, WorkerConfig
+
+    config = WorkerConfig(dsn=dsn, task_modules=("myapp.tasks",), queues=("billing",), concurrency=4)
+    worker = Worker(config)
+    thread = threading.Thread(target=worker.run, name="worker_core")
+    thread.start()
+    worker.stop()
+    thread.join()
+    exit_code: int = Worker(WorkerConfig(dsn=dsn, task_modules=("myapp.tasks",), burst=True)).run()
+    return exit_code
