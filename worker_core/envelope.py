@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import difflib
 import json
 import math
 import re
@@ -65,6 +66,37 @@ ENVELOPE_FIELDS = (
 )
 #: fields the system owns: a producer giving them is an error, never silently trusted
 SYSTEM_FIELDS = ("job_id", "id", "attempt", "attempts", "state", "locked_by", "locked_until")
+#: the names @task and the CLI give some fields (``@task(timeout=)``, ``--tenant``), and others a producer may
+#: reach for, with the envelope field each means
+FIELD_ALIASES = {
+    "timeout": "timeout_seconds",
+    "visibility_timeout": "visibility_timeout_seconds",
+    "retry": "retry_policy",
+    "delay": "delay_seconds",
+    "countdown": "delay_seconds",
+    "eta": "scheduled_at",
+    "run_at": "scheduled_at",
+    "queue_name": "queue",
+    "tenant": "tenant_id",
+    "trace": "trace_id",
+    "attempts_max": "max_attempts",
+    "retries": "max_attempts",
+    "max_retries": "max_attempts",
+    "idempotency": "idempotency_key",
+    "dedup": "dedup_key",
+    "lock": "lock_key",
+}
+
+
+def _meant(name: Any) -> str:
+    """What an unknown field name was meant to be, else the fields there are: ``timeout=5`` was refused as
+    "unknown envelope field 'timeout'", and the README lists none of them."""
+    text = str(name).strip().lower().replace("-", "_")
+    meant = FIELD_ALIASES.get(text) or next((f for f in ENVELOPE_FIELDS if f.startswith(text + "_")), None)
+    close = [meant] if meant else difflib.get_close_matches(text, ENVELOPE_FIELDS, n=1, cutoff=0.75)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    return f"the envelope's fields are {', '.join(ENVELOPE_FIELDS)}"
 
 
 @dataclass(frozen=True)
@@ -218,7 +250,7 @@ def build_envelope(
         if name in SYSTEM_FIELDS:
             problems.append(f"{name} is managed by the system and cannot be given by a producer")
         elif name not in ENVELOPE_FIELDS:
-            problems.append(f"unknown envelope field {name!r}")
+            problems.append(f"unknown envelope field {name!r}: {_meant(name)}")
 
     if not isinstance(job_type, str) or not job_type:
         problems.append("job_type is required")
@@ -262,7 +294,10 @@ def build_envelope(
             low, high = (d.date().isoformat() for d in SCHEDULED_AT_RANGE)
             problems.append(f"scheduled_at must be between {low} and {high} (UTC), not {scheduled_at.isoformat()}")
             scheduled_at = None
-    delay = _number(problems, "delay_seconds", fields.get("delay_seconds", 0.0))
+    delay_given = fields.get("delay_seconds", 0.0)
+    if isinstance(delay_given, dt.timedelta):  # as TransientError(retry_in=) takes one
+        delay_given = delay_given.total_seconds()
+    delay = _number(problems, "delay_seconds", delay_given)
     if delay is not None and delay < 0:
         problems.append("delay_seconds must not be negative")
     elif delay is not None and delay > MAX_DELAY_SECONDS:
