@@ -19,7 +19,7 @@ from worker_core.errors import (
 )
 from worker_core.models import EnqueueResult, Job, JobState
 from worker_core.optimistic import VersionConflict, aversioned_update, versioned_update
-from worker_core.producer import enqueue, enqueue_many
+from worker_core.producer import NotMigrated, enqueue, enqueue_many
 from worker_core.registry import Task, registry, task
 from worker_core.retry import RetryPolicy
 
@@ -37,6 +37,7 @@ __all__ = [
     "JobState",
     "JobTimeout",
     "NotFound",
+    "NotMigrated",
     "PermanentError",
     "ReadOnlyError",
     "RetryPolicy",

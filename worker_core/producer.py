@@ -1,5 +1,9 @@
 """Producing jobs: ``enqueue`` and ``enqueue_many`` run inside the caller's transaction, so a job exists
-if and only if the business write that made it commits (transactional enqueue)."""
+if and only if the business write that made it commits (transactional enqueue).
+
+Each is written as the steps it takes: a generator that yields the statements it runs and is sent their
+rows back (``_Steps``), run by a driver (``_run``) that knows the connection.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,11 @@ import datetime as dt
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import psycopg
 from psycopg.pq import TransactionStatus
 
 from worker_core import policy
@@ -25,11 +30,37 @@ from worker_core.envelope import (
     TypeDefaults,
     build_envelope,
 )
+from worker_core.errors import EnvelopeError
 from worker_core.models import EnqueueResult
 from worker_core.registry import Registry
 from worker_core.registry import registry as default_registry
 from worker_core.retry import RetryPolicy
 from worker_core.sql import queries
+
+T = TypeVar("T")
+
+
+class NotMigrated(psycopg.ProgrammingError):
+    """The producer's statements name a table (or a column) the database does not have: it is not migrated
+    for this version of worker_core. A psycopg error still, for callers that handle those."""
+
+
+# ------------------------------------------------------------------------------------------ the contract
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A type's contract as its workers registered it (job_type_contracts), for a producer without its @task."""
+
+    #: the envelope's defaults in the type's own queue, as the workers resolved them
+    own: TypeDefaults
+    #: the fields the type sets itself (source ``type:...``), to resolve the type in another queue
+    type_layer: policy.Layer | None
+
+    def defaults(self, queue: str | None = None) -> TypeDefaults:
+        if queue is None or queue == self.own.queue:
+            return self.own
+        return policy.current().type_defaults(queue, self.type_layer, self.own.requires_idempotency_key)
 
 
 def prepare(
@@ -57,21 +88,6 @@ def prepare(
     return build_envelope(job_type, payload, envelope, defaults)
 
 
-@dataclass(frozen=True)
-class Registered:
-    """A type's contract as its workers registered it (job_type_contracts), for a producer without its @task."""
-
-    #: the envelope's defaults in the type's own queue, as the workers resolved them
-    own: TypeDefaults
-    #: the fields the type sets itself (source ``type:...``), to resolve the type in another queue
-    type_layer: policy.Layer | None
-
-    def defaults(self, queue: str | None = None) -> TypeDefaults:
-        if queue is None or queue == self.own.queue:
-            return self.own
-        return policy.current().type_defaults(queue, self.type_layer, self.own.requires_idempotency_key)
-
-
 #: (database, job_type) -> (monotonic expiry, the registered contract or None): one look-up per type and minute
 _registered_cache: dict[tuple[str, str], tuple[float, Registered | None]] = {}
 REGISTERED_TTL_SECONDS = 60.0
@@ -91,15 +107,24 @@ def registered_defaults(
     ``warn``: a type with neither is logged, once per process and database: its jobs take the deployment's
     defaults (timeout, attempts, no idempotency key required), not its @task's, and nothing said so (the
     CLI's enqueue did; a producer's library call was silent)."""
+    return _run(conn, "registered_defaults", lambda database: _resolve(database, job_types, registry, warn))
+
+
+def _database(conn: AnyConn) -> str:
+    return f"{conn.info.host}:{conn.info.port}/{conn.info.dbname}"
+
+
+def _resolve(
+    database: str, job_types: Iterable[Any], registry: Registry | None, warn: bool
+) -> _Steps[dict[str, Registered]]:
     local = registry or default_registry
     now = time.monotonic()
-    database = f"{conn.info.host}:{conn.info.port}/{conn.info.dbname}"
     # only well-formed types are looked up: a malformed one is refused by the validation that follows
     wanted = {t for t in job_types if isinstance(t, str) and JOB_TYPE_RE.match(t) and t not in local}
     missing = [t for t in wanted if _registered_cache.get((database, t), (0.0, None))[0] < now]
     if missing:
-        cur = dict_cursor(conn)
-        found = {r["job_type"]: r for r in cur.execute(queries["contracts_for_types"], {"job_types": missing})}
+        rows = yield _Statement("contracts_for_types", {"job_types": missing})
+        found = {r["job_type"]: r for r in rows}
         for t in missing:
             row = found.get(t)
             _registered_cache[(database, t)] = (
@@ -146,22 +171,74 @@ def _registered_from_contract(row: Mapping[str, Any]) -> Registered:
     return Registered(own, policy.Layer(layer_name, overrides, "registered") if overrides else None)
 
 
-def _in_callers_transaction(conn: AnyConn) -> contextlib.AbstractContextManager[Any]:
-    """A transaction of its own on an autocommit connection, a savepoint inside the caller's open one.
+# ------------------------------------------------------------------------------------------ the steps
+
+
+@dataclass(frozen=True)
+class _Statement:
+    """A statement of queries.sql the steps run; its rows are sent back (none for one that returns none)."""
+
+    name: str
+    params: Mapping[str, Any]
+
+
+class _Write:
+    """What follows writes: in the caller's transaction (see _own_transaction)."""
+
+
+_WRITE = _Write()
+_Rows = list[dict[str, Any]]
+_Steps = Generator["_Statement | _Write", _Rows, T]
+
+
+def _own_transaction(conn: AnyConn) -> bool:
+    """Whether the writes take a transaction of their own: on an autocommit connection (a transaction), inside
+    the caller's open one (a savepoint).
 
     On a non-autocommit connection with no transaction open yet, psycopg's ``transaction()`` would BEGIN
     and COMMIT by itself, so an enqueue made before the business write would commit without it: there,
     the first statement opens the caller's transaction and the caller commits or rolls back.
     """
-    if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
-        return conn.transaction()
-    return contextlib.nullcontext()
+    return conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE
 
 
-def _count_dedup_hits(conn: AnyConn, now: dt.datetime | None, hits: Mapping[tuple[str, str], int]) -> None:
+@contextlib.contextmanager
+def _schema_checked() -> Iterator[None]:
+    """A table or column the producer's statements name is missing: the database is not migrated (psycopg
+    said ``UndefinedTable: relation "job_type_contracts" does not exist``, naming an internal table and not
+    the step forgotten)."""
+    try:
+        yield
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as e:
+        what = (e.diag.message_primary or str(e)).strip()
+        raise NotMigrated(
+            f"the database is not migrated for this version of worker_core ({what}): run `qconsole migrate`"
+            " (as the schema's owner), or check that the connection names the queue's database"
+        ) from e
+
+
+def _run(conn: AnyConn, api: str, make: Callable[[str], _Steps[T]]) -> T:
+    """Run the steps ``make`` gives (for the connection's database) on a psycopg Connection."""
+    steps, cur = make(_database(conn)), dict_cursor(conn)
+    with _schema_checked(), contextlib.ExitStack() as writing:
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, _Write):
+                    if _own_transaction(conn):
+                        writing.enter_context(conn.transaction())
+                    step = steps.send([])
+                else:
+                    ran = cur.execute(queries[step.name], step.params)
+                    step = steps.send(ran.fetchall() if ran.description else [])
+        except StopIteration as done:
+            return done.value
+
+
+def _count_dedup_hits(now: dt.datetime | None, hits: Mapping[tuple[str, str], int]) -> _Steps[None]:
     rows = [{"queue": q, "job_type": t, "n": n} for (q, t), n in sorted(hits.items()) if n]
     if rows:
-        conn.execute(queries["count_dedup_hits"], {"now": now, "rows": json.dumps(rows)})
+        yield _Statement("count_dedup_hits", {"now": now, "rows": json.dumps(rows)})
 
 
 def _params(env: Envelope) -> dict[str, Any]:
@@ -199,28 +276,34 @@ def enqueue(
     """Insert one job in the caller's transaction.
 
     Returns the new job's id, or ``created=False`` with the id of the live job that already holds the
-    same ``dedup_key``. Raises EnvelopeError (nothing written) when the envelope breaks the contract.
+    same ``dedup_key``. Raises EnvelopeError (nothing written) when the envelope breaks the contract,
+    and NotMigrated on a database ``qconsole migrate`` has not brought up to date.
     """
-    env = prepare(
-        job_type,
-        {} if payload is None else payload,
-        envelope,
-        registry,
-        registered_defaults(conn, [job_type], registry, warn=True),
-    )
+    return _run(conn, "enqueue", lambda database: _one(database, job_type, payload, envelope, clock, registry))
+
+
+def _one(
+    database: str,
+    job_type: Any,
+    payload: Mapping[str, Any] | None,
+    envelope: Mapping[str, Any],
+    clock: Clock,
+    registry: Registry | None,
+) -> _Steps[EnqueueResult]:
+    registered = yield from _resolve(database, [job_type], registry, warn=True)
+    env = prepare(job_type, {} if payload is None else payload, envelope, registry, registered)
     now = statement_now(clock)
     params = {**_params(env), "now": now}
-    cur = dict_cursor(conn)
-    with _in_callers_transaction(conn):
-        for _ in range(5):
-            row = cur.execute(queries["insert_job"], params).fetchone()
-            if row:
-                return EnqueueResult(row["id"], True)
-            found = cur.execute(queries["live_by_dedup_keys"], {"keys": [env.dedup_key]}).fetchone()
-            if found:
-                _count_dedup_hits(conn, now, {(env.queue, env.job_type): 1})
-                return EnqueueResult(found["id"], False)
-            # the holder finished between our insert and our look-up: try again
+    yield _WRITE
+    for _ in range(5):
+        inserted = yield _Statement("insert_job", params)
+        if inserted:
+            return EnqueueResult(inserted[0]["id"], True)
+        found = yield _Statement("live_by_dedup_keys", {"keys": [env.dedup_key]})
+        if found:
+            yield from _count_dedup_hits(now, {(env.queue, env.job_type): 1})
+            return EnqueueResult(found[0]["id"], False)
+        # the holder finished between our insert and our look-up: try again
     raise RuntimeError(f"could not enqueue {job_type}: dedup key {env.dedup_key!r} kept changing hands")
 
 
@@ -247,12 +330,11 @@ def _malformed_item(item: Any) -> str | None:
     return None
 
 
+Jobs = Iterable[tuple[str, Mapping[str, Any]] | tuple[str, Mapping[str, Any], Mapping[str, Any]]]
+
+
 def enqueue_many(
-    conn: AnyConn,
-    jobs: Iterable[tuple[str, Mapping[str, Any]] | tuple[str, Mapping[str, Any], Mapping[str, Any]]],
-    *,
-    clock: Clock = SYSTEM_CLOCK,
-    registry: Registry | None = None,
+    conn: AnyConn, jobs: Jobs, *, clock: Clock = SYSTEM_CLOCK, registry: Registry | None = None
 ) -> list[EnqueueResult]:
     """Insert many jobs in one statement, in the caller's transaction.
 
@@ -261,9 +343,13 @@ def enqueue_many(
     held by a live job (or by an earlier job of the same batch) is reported with that job's id.
     """
     items = list(jobs)
+    return _run(conn, "enqueue_many", lambda database: _many(database, items, clock, registry))
+
+
+def _many(database: str, items: list[Any], clock: Clock, registry: Registry | None) -> _Steps[list[EnqueueResult]]:
     malformed = {i: wrong for i, item in enumerate(items) if (wrong := _malformed_item(item)) is not None}
     well_formed = [item for i, item in enumerate(items) if i not in malformed]
-    registered = registered_defaults(conn, {item[0] for item in well_formed}, registry, warn=True)
+    registered = yield from _resolve(database, {item[0] for item in well_formed}, registry, warn=True)
     envs: list[Envelope] = []
     problems: list[str] = []
     for i, item in enumerate(items):
@@ -277,36 +363,28 @@ def enqueue_many(
         except ValueError as e:
             problems.append(f"job {i}: {e}")
     if problems:
-        from worker_core.errors import EnvelopeError
-
         raise EnvelopeError(problems)
     if not envs:
         return []
     now = statement_now(clock)
-    rows = [_params(env) for env in _in_key_order(envs)]
-    columns = {name: [r[name] for r in rows] for name in rows[0]}
-    cur = dict_cursor(conn)
-    with _in_callers_transaction(conn):
-        inserted = cur.execute(queries["insert_jobs_many"], {**columns, "now": now}).fetchall()
-        by_key = {r["dedup_key"]: r["id"] for r in inserted if r["dedup_key"] is not None}
-        for _ in range(5):
-            missing = list(dict.fromkeys(e.dedup_key for e in envs if e.dedup_key and e.dedup_key not in by_key))
-            if missing:
-                for r in cur.execute(queries["live_by_dedup_keys"], {"keys": missing}).fetchall():
-                    by_key.setdefault(r["dedup_key"], r["id"])
-            # a holder that finished between our insert and our look-up: those jobs are inserted again
-            gone = {k for k in missing if k not in by_key}
-            if not gone:
-                break
-            firsts = {e.dedup_key: e for e in reversed(envs) if e.dedup_key in gone}
-            again = [_params(e) for e in _in_key_order(list(firsts.values()))]
-            more = cur.execute(
-                queries["insert_jobs_many"], {**{n: [r[n] for r in again] for n in again[0]}, "now": now}
-            ).fetchall()
-            inserted += more
-            by_key.update({r["dedup_key"]: r["id"] for r in more})
-        else:
-            raise RuntimeError(f"could not enqueue: dedup keys {sorted(gone)!r} kept changing hands")
+    yield _WRITE
+    inserted = yield _Statement("insert_jobs_many", _columns(envs, now))
+    by_key = {r["dedup_key"]: r["id"] for r in inserted if r["dedup_key"] is not None}
+    for _ in range(5):
+        missing = list(dict.fromkeys(e.dedup_key for e in envs if e.dedup_key and e.dedup_key not in by_key))
+        if missing:
+            for r in (yield _Statement("live_by_dedup_keys", {"keys": missing})):
+                by_key.setdefault(r["dedup_key"], r["id"])
+        # a holder that finished between our insert and our look-up: those jobs are inserted again
+        gone = {k for k in missing if k not in by_key}
+        if not gone:
+            break
+        firsts = {e.dedup_key: e for e in reversed(envs) if e.dedup_key in gone}
+        more = yield _Statement("insert_jobs_many", _columns(list(firsts.values()), now))
+        inserted += more
+        by_key.update({r["dedup_key"]: r["id"] for r in more})
+    else:
+        raise RuntimeError(f"could not enqueue: dedup keys {sorted(gone)!r} kept changing hands")
     # rows without a dedup key come back in insertion order (one statement, one unnest)
     plain = iter([r["id"] for r in inserted if r["dedup_key"] is None])
     out: list[EnqueueResult] = []
@@ -323,7 +401,11 @@ def enqueue_many(
     for env, result in zip(envs, out, strict=True):
         if not result.created:
             hits[(env.queue, env.job_type)] = hits.get((env.queue, env.job_type), 0) + 1
-    if hits:
-        with _in_callers_transaction(conn):
-            _count_dedup_hits(conn, now, hits)
+    yield from _count_dedup_hits(now, hits)
     return out
+
+
+def _columns(envs: list[Envelope], now: dt.datetime | None) -> dict[str, Any]:
+    """insert_jobs_many's parameters: a column of values per field, in key order (_in_key_order)."""
+    rows = [_params(env) for env in _in_key_order(envs)]
+    return {**{name: [r[name] for r in rows] for name in rows[0]}, "now": now}
