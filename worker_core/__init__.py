@@ -19,7 +19,7 @@ from worker_core.errors import (
 )
 from worker_core.models import EnqueueResult, Job, JobState
 from worker_core.optimistic import VersionConflict, aversioned_update, versioned_update
-from worker_core.producer import NotMigrated, enqueue, enqueue_many
+from worker_core.producer import NotMigrated, aenqueue, aenqueue_many, enqueue, enqueue_many
 from worker_core.registry import Task, registry, task
 from worker_core.retry import RetryPolicy
 
@@ -48,6 +48,8 @@ __all__ = [
     "VersionConflict",
     "Worker",
     "WorkerConfig",
+    "aenqueue",
+    "aenqueue_many",
     "asingle_flight",
     "aversioned_update",
     "enqueue",

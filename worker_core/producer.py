@@ -1,8 +1,10 @@
-"""Producing jobs: ``enqueue`` and ``enqueue_many`` run inside the caller's transaction, so a job exists
-if and only if the business write that made it commits (transactional enqueue).
+"""Producing jobs: ``enqueue`` and ``enqueue_many`` (``aenqueue`` and ``aenqueue_many`` on a psycopg
+AsyncConnection) run inside the caller's transaction, so a job exists if and only if the business write
+that made it commits (transactional enqueue).
 
-Each is written as the steps it takes: a generator that yields the statements it runs and is sent their
-rows back (``_Steps``), run by a driver (``_run``) that knows the connection.
+Each is written once, as the steps it takes: a generator that yields the statements it runs and is sent
+their rows back (``_Steps``). A driver per kind of connection runs them (``_run``, ``_arun``), so the
+validation, the contract's resolution, the dedup look-ups and their retries are one piece of code for both.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from psycopg.pq import TransactionStatus
+from psycopg.rows import dict_row
 
 from worker_core import policy
 from worker_core.clock import SYSTEM_CLOCK, Clock, statement_now
@@ -38,6 +41,8 @@ from worker_core.retry import RetryPolicy
 from worker_core.sql import queries
 
 T = TypeVar("T")
+#: a psycopg AsyncConnection of the application's, whatever its row factory
+AnyAsyncConn = psycopg.AsyncConnection[Any]
 
 
 class NotMigrated(psycopg.ProgrammingError):
@@ -110,7 +115,7 @@ def registered_defaults(
     return _run(conn, "registered_defaults", lambda database: _resolve(database, job_types, registry, warn))
 
 
-def _database(conn: AnyConn) -> str:
+def _database(conn: AnyConn | AnyAsyncConn) -> str:
     return f"{conn.info.host}:{conn.info.port}/{conn.info.dbname}"
 
 
@@ -191,7 +196,7 @@ _Rows = list[dict[str, Any]]
 _Steps = Generator["_Statement | _Write", _Rows, T]
 
 
-def _own_transaction(conn: AnyConn) -> bool:
+def _own_transaction(conn: AnyConn | AnyAsyncConn) -> bool:
     """Whether the writes take a transaction of their own: on an autocommit connection (a transaction), inside
     the caller's open one (a savepoint).
 
@@ -200,6 +205,26 @@ def _own_transaction(conn: AnyConn) -> bool:
     the first statement opens the caller's transaction and the caller commits or rolls back.
     """
     return conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE
+
+
+def _check_kind(conn: Any, api: str, asynchronous: bool) -> None:
+    """A connection of the other kind is said, with the function that takes it: ``enqueue(aconn, ...)``
+    failed inside psycopg (``'_AsyncGeneratorContextManager' object does not support the context manager
+    protocol``)."""
+    if asynchronous == isinstance(conn, psycopg.AsyncConnection):
+        return
+    if asynchronous:
+        raise TypeError(
+            f"worker_core.{api} takes a psycopg.AsyncConnection, not a {type(conn).__name__}: on a"
+            f" psycopg.Connection, call worker_core.{api.removeprefix('a')}"
+        )
+    twin = (
+        f": in async code, use `await worker_core.a{api}(aconn, ...)`, which enqueues in the caller's async"
+        f" transaction as {api} does"
+    )
+    raise TypeError(
+        f"worker_core.{api} takes a psycopg.Connection, not an AsyncConnection{twin if 'enqueue' in api else ''}"
+    )
 
 
 @contextlib.contextmanager
@@ -219,6 +244,7 @@ def _schema_checked() -> Iterator[None]:
 
 def _run(conn: AnyConn, api: str, make: Callable[[str], _Steps[T]]) -> T:
     """Run the steps ``make`` gives (for the connection's database) on a psycopg Connection."""
+    _check_kind(conn, api, asynchronous=False)
     steps, cur = make(_database(conn)), dict_cursor(conn)
     with _schema_checked(), contextlib.ExitStack() as writing:
         try:
@@ -233,6 +259,26 @@ def _run(conn: AnyConn, api: str, make: Callable[[str], _Steps[T]]) -> T:
                     step = steps.send(ran.fetchall() if ran.description else [])
         except StopIteration as done:
             return done.value
+
+
+async def _arun(aconn: AnyAsyncConn, api: str, make: Callable[[str], _Steps[T]]) -> T:
+    """_run's twin on a psycopg AsyncConnection: the same steps, awaited."""
+    _check_kind(aconn, api, asynchronous=True)
+    steps, cur = make(_database(aconn)), aconn.cursor(row_factory=dict_row)
+    with _schema_checked():
+        async with contextlib.AsyncExitStack() as writing:
+            try:
+                step = next(steps)
+                while True:
+                    if not isinstance(step, _Write):
+                        ran = await cur.execute(queries[step.name], step.params)
+                        step = steps.send(await ran.fetchall() if ran.description else [])
+                        continue
+                    if _own_transaction(aconn):
+                        await writing.enter_async_context(aconn.transaction())
+                    step = steps.send([])
+            except StopIteration as done:
+                return done.value
 
 
 def _count_dedup_hits(now: dt.datetime | None, hits: Mapping[tuple[str, str], int]) -> _Steps[None]:
@@ -277,9 +323,25 @@ def enqueue(
 
     Returns the new job's id, or ``created=False`` with the id of the live job that already holds the
     same ``dedup_key``. Raises EnvelopeError (nothing written) when the envelope breaks the contract,
-    and NotMigrated on a database ``qconsole migrate`` has not brought up to date.
+    NotMigrated on a database ``qconsole migrate`` has not brought up to date, and TypeError on an
+    AsyncConnection (use ``aenqueue``).
     """
     return _run(conn, "enqueue", lambda database: _one(database, job_type, payload, envelope, clock, registry))
+
+
+async def aenqueue(
+    aconn: AnyAsyncConn,
+    job_type: str,
+    payload: Mapping[str, Any] | None = None,
+    *,
+    clock: Clock = SYSTEM_CLOCK,
+    registry: Registry | None = None,
+    **envelope: Any,
+) -> EnqueueResult:
+    """``enqueue`` on a psycopg AsyncConnection, in the caller's async transaction: ``async with
+    aconn.transaction(): ...; await worker_core.aenqueue(aconn, "invoice.generate", {...})``."""
+    make = lambda database: _one(database, job_type, payload, envelope, clock, registry)  # noqa: E731
+    return await _arun(aconn, "aenqueue", make)
 
 
 def _one(
@@ -344,6 +406,14 @@ def enqueue_many(
     """
     items = list(jobs)
     return _run(conn, "enqueue_many", lambda database: _many(database, items, clock, registry))
+
+
+async def aenqueue_many(
+    aconn: AnyAsyncConn, jobs: Jobs, *, clock: Clock = SYSTEM_CLOCK, registry: Registry | None = None
+) -> list[EnqueueResult]:
+    """``enqueue_many`` on a psycopg AsyncConnection, in the caller's async transaction."""
+    items = list(jobs)
+    return await _arun(aconn, "aenqueue_many", lambda database: _many(database, items, clock, registry))
 
 
 def _many(database: str, items: list[Any], clock: Clock, registry: Registry | None) -> _Steps[list[EnqueueResult]]:
