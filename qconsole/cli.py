@@ -1163,9 +1163,17 @@ def policies(
     if tasks:
         output.policies([t.contract() for t in registry], as_json, deployment.source, queues)
         return
+    from worker_core.producer import registered_policy
+
     with connect(dsn, read_only=True) as conn:
         contracts = guarded(lambda: stats.type_contracts(conn))
-    output.policies(contracts, as_json, "the workers' registrations", {})
+        # the deployment's defaults and queue layers the workers registered: what a producer without a policy
+        # file of its own enqueues under (a queue no type of it names showed nowhere)
+        found = guarded(lambda: registered_policy(conn))
+    source = found.source if found else "the workers' registrations (no worker has registered its policy yet)"
+    layers = found.queues if found else {}
+    queues = {q: {"values": layer.values, "reason": layer.reason} for q, layer in layers.items()}
+    output.policies(contracts, as_json, source, queues)
 
 
 @app.command()

@@ -5,6 +5,13 @@ that made it commits (transactional enqueue).
 Each is written once, as the steps it takes: a generator that yields the statements it runs and is sent
 their rows back (``_Steps``). A driver per kind of connection runs them (``_run``, ``_arun``), so the
 validation, the contract's resolution, the dedup look-ups and their retries are one piece of code for both.
+
+A job's defaults (attempts, timeouts, retry policy) are resolved, field by field, from: the deployment's
+defaults < its queue's layer < its type's own overrides < the fields given at enqueue. The type's overrides
+come from its ``@task`` when this process imports it, else from the contract its workers registered
+(job_type_contracts). The deployment's defaults and queue layers come from this process's policy file when
+it has one (worker_core.policy), else from the policy its workers registered (deployment_policy, migration
+0016), else the built-in ones. Both registrations are read at most once a minute per database.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from psycopg.rows import dict_row
 
 from worker_core import policy
 from worker_core.clock import SYSTEM_CLOCK, Clock, statement_now
-from worker_core.db import AnyConn, dict_cursor
+from worker_core.db import AnyConn, Conn, dict_cursor
 from worker_core.envelope import (
     DEFAULT_QUEUE,
     DEFAULT_VISIBILITY_MARGIN_SECONDS,
@@ -62,10 +69,23 @@ class Registered:
     #: the fields the type sets itself (source ``type:...``), to resolve the type in another queue
     type_layer: policy.Layer | None
 
-    def defaults(self, queue: str | None = None) -> TypeDefaults:
+    def defaults(self, queue: str | None = None, deployment: policy.DeploymentPolicy | None = None) -> TypeDefaults:
+        """In its own queue, as registered; in another, that queue's layer of ``deployment`` (this process's
+        policy by default) under the type's own overrides."""
         if queue is None or queue == self.own.queue:
             return self.own
-        return policy.current().type_defaults(queue, self.type_layer, self.own.requires_idempotency_key)
+        deployment = deployment or policy.current()
+        return deployment.type_defaults(queue, self.type_layer, self.own.requires_idempotency_key)
+
+
+class RegisteredContracts(dict[str, Registered]):
+    """The contracts the workers registered for the types a producer has no @task for, and the deployment's
+    policy the producer resolves its jobs under (``deployment``): its own, else the workers' (see the
+    module's docstring)."""
+
+    def __init__(self, contracts: Mapping[str, Registered], deployment: policy.DeploymentPolicy) -> None:
+        super().__init__(contracts)
+        self.deployment = deployment
 
 
 def prepare(
@@ -77,24 +97,28 @@ def prepare(
 ) -> Envelope:
     """Validate one message with the defaults of its type: the local registry's @task if the producer
     imported it, else the contract the workers registered for the type (``registered``), else the
-    deployment's policy for the queue (worker_core.policy).
+    deployment's policy for the queue. The deployment's layers are ``registered.deployment`` when
+    ``registered`` comes from registered_defaults, else this process's policy (worker_core.policy).
 
-    A job sent to another queue than its type's (``queue=...``) takes that queue's policy under the type's
+    A job sent to another queue than its type's (``queue=...``) takes that queue's layer under the type's
     own overrides: the queue's layer sits between the deployment's defaults and the type's."""
     queue = envelope.get("queue")
     queue = queue if isinstance(queue, str) and queue else None  # a malformed one is refused below
+    deployment = registered.deployment if isinstance(registered, RegisteredContracts) else policy.current()
     task = (registry or default_registry).get(job_type) if isinstance(job_type, str) else None
     if task is not None:
-        defaults = task.defaults(queue)
+        defaults = deployment.type_defaults(queue or task.queue, task.layer(), task.requires_idempotency_key)
     elif registered and isinstance(job_type, str) and job_type in registered:
-        defaults = registered[job_type].defaults(queue)
+        defaults = registered[job_type].defaults(queue, deployment)
     else:
-        defaults = policy.current().type_defaults(queue or DEFAULT_QUEUE)
+        defaults = deployment.type_defaults(queue or DEFAULT_QUEUE)
     return build_envelope(job_type, payload, envelope, defaults)
 
 
 #: (database, job_type) -> (monotonic expiry, the registered contract or None): one look-up per type and minute
 _registered_cache: dict[tuple[str, str], tuple[float, Registered | None]] = {}
+#: database -> (monotonic expiry, the policy its workers registered or None), for a process without its own
+_policy_cache: dict[str, tuple[float, policy.DeploymentPolicy | None]] = {}
 REGISTERED_TTL_SECONDS = 60.0
 
 log = logging.getLogger("worker_core.producer")
@@ -105,9 +129,10 @@ WARNED_MAX = 10_000
 
 def registered_defaults(
     conn: AnyConn, job_types: Iterable[str], registry: Registry | None = None, *, warn: bool = False
-) -> dict[str, Registered]:
+) -> RegisteredContracts:
     """The contracts the workers registered (job_type_contracts) for the types this process has no @task for,
-    so a producer that never imports the handlers still enqueues under the handlers' contract.
+    so a producer that never imports the handlers still enqueues under the handlers' contract; with the
+    deployment's policy to resolve the rest under (RegisteredContracts.deployment).
 
     ``warn``: a type with neither is logged, once per process and database: its jobs take the deployment's
     defaults (timeout, attempts, no idempotency key required), not its @task's, and nothing said so (the
@@ -121,7 +146,7 @@ def _database(conn: AnyConn | AnyAsyncConn) -> str:
 
 def _resolve(
     database: str, job_types: Iterable[Any], registry: Registry | None, warn: bool
-) -> _Steps[dict[str, Registered]]:
+) -> _Steps[RegisteredContracts]:
     local = registry or default_registry
     now = time.monotonic()
     # only well-formed types are looked up: a malformed one is refused by the validation that follows
@@ -150,7 +175,68 @@ def _resolve(
                 t,
                 database,
             )
-    return out
+    deployment = yield from _deployment(database)
+    return RegisteredContracts(out, deployment)
+
+
+def _deployment(database: str) -> _Steps[policy.DeploymentPolicy]:
+    """This process's policy when it has a policy file (or an embedder set one), else the one its workers
+    registered on ``database`` (their file's defaults and queue layers, under this process's QCONSOLE_<FIELD>
+    variables), else the built-in one."""
+    own = policy.current()
+    if own.source != "built-in":  # what policy.load names a policy without a file
+        return own
+    now = time.monotonic()
+    expiry, found = _policy_cache.get(database, (0.0, None))
+    if expiry < now:
+        rows = yield _Statement("deployment_policy_get", {})
+        try:
+            found = _registered_policy(rows[0]) if rows else None
+        except policy.PolicyError as e:
+            # a newer worker's field, or this process's QCONSOLE_<FIELD> against it: said, not every enqueue refused
+            log.warning("the policy the workers registered on %s does not apply here, the built-in one does: %s",
+                        database, e)  # fmt: skip
+            found = None
+        _policy_cache[database] = (now + REGISTERED_TTL_SECONDS, found)
+    return found or own
+
+
+def _registered_policy(row: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> policy.DeploymentPolicy:
+    """The registered policy, under this process's QCONSOLE_<FIELD> variables (``environ``: os.environ)."""
+    at = row["reported_at"].isoformat(timespec="seconds")
+    source = f"the workers' policy ({row['source']}, registered by {row['reported_by']} at {at})"
+    return policy.from_mapping({"defaults": row["defaults"], "queues": row["queues"]}, source, environ)
+
+
+def registered_policy(conn: Conn) -> policy.DeploymentPolicy | None:
+    """The policy the workers registered (deployment_policy, migration 0016), or None; read now, not cached
+    (``qconsole policies``). Its ``source`` names their file, the worker that registered it and when."""
+    row = conn.execute(queries["deployment_policy_get"]).fetchone()
+    if row is None:
+        return None
+    try:
+        return _registered_policy(row, environ={})  # as they registered it
+    except policy.PolicyError as e:  # a newer worker's field: said in its place
+        return policy.from_mapping({}, f"the workers' policy, which does not read here: {e}", environ={})
+
+
+def publish_policy(conn: Conn, reported_by: str, now: dt.datetime) -> str | None:
+    """Register this process's policy as the deployment's (a worker, with its types' contracts), for the
+    producers that have no policy file. Returns the one it replaced, said, when that one differed."""
+    own = policy.current()
+    defaults = {k: v for k, v in own.defaults.values.items() if v is not None}
+    queues = {
+        q: {**layer.values, "reason": layer.reason} if layer.reason else layer.values for q, layer in own.queues.items()
+    }
+    row = conn.execute(
+        queries["deployment_policy_upsert"],
+        {"defaults": json.dumps(defaults), "queues": json.dumps(queues), "source": own.source,
+         "worker": reported_by, "now": now},
+    ).fetchone()  # fmt: skip
+    before = row["replaced"] if row else None
+    if before is None or [before["defaults"], before["queues"]] == json.loads(json.dumps([defaults, queues])):
+        return None
+    return f"{before['source']}, registered by {before['reported_by']} at {before['reported_at']}"
 
 
 def _registered_from_contract(row: Mapping[str, Any]) -> Registered:

@@ -50,6 +50,7 @@ from worker_core.execution import Abandoned, Execution, Slot, UndecodablePayload
 from worker_core.locks import LockBackend, lease_seconds, lock_backend
 from worker_core.logs import bound_logger, job_fields
 from worker_core.metrics import MetricsBuffer
+from worker_core.producer import publish_policy
 from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry
 from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, WORKER_SIGNALS, SignalRelay, relay_signals
@@ -654,8 +655,18 @@ class Worker:
                 conn.execute(
                     queries["contract_upsert"], {"rows": json.dumps(rows), "worker": self.id, "now": self.clock.now()}
                 )
+                # and its policy file's defaults and queue layers, for producers without a policy file (0016)
+                replaced = publish_policy(conn, self.id, self.clock.now())
         except psycopg.Error as e:
             self.log.warning("could not publish the job type contracts: %s", db.redact(str(e).strip(), self.dsn))
+            return
+        if replaced:
+            self.log.warning(
+                "this worker's policy (%s) replaces a different one (%s): producers without a policy file of"
+                " their own take this one from now on",
+                policy.current().source,
+                replaced,
+            )
 
     def _refresh_claim_filters(self, conn: db.Conn) -> None:
         """Paused queues and concurrency limits, as the claims' parameters."""

@@ -1124,6 +1124,18 @@ FROM job_type_contracts ORDER BY job_type;
 -- name: contracts_for_types
 SELECT job_type, queue, contract, requires_idempotency_key FROM job_type_contracts WHERE job_type = ANY(%(job_types)s);
 
+-- name: deployment_policy_upsert
+-- A worker's policy (migration 0016), in the transaction of its contracts; returns the one it replaced.
+WITH before AS (SELECT defaults, queues, source, reported_by, reported_at FROM deployment_policy)
+INSERT INTO deployment_policy AS p (singleton, defaults, queues, source, reported_by, reported_at)
+VALUES (true, %(defaults)s::jsonb, %(queues)s::jsonb, %(source)s, %(worker)s, %(now)s)
+ON CONFLICT (singleton) DO UPDATE SET defaults = EXCLUDED.defaults, queues = EXCLUDED.queues,
+    source = EXCLUDED.source, reported_by = EXCLUDED.reported_by, reported_at = EXCLUDED.reported_at
+RETURNING (SELECT to_jsonb(before) FROM before) AS replaced;
+
+-- name: deployment_policy_get
+SELECT defaults, queues, source, reported_by, reported_at FROM deployment_policy;
+
 ------------------------------------------------------------------------------------------------------
 -- A console action's token (worker_core.ops: hold_action_token, action_session_ended, audit_entry_of_token)
 -- and whether a session may work (worker_refusal)
