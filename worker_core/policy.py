@@ -197,9 +197,21 @@ def find_policy_file(cwd: Path | None = None) -> tuple[Path | None, str]:
     base = cwd or Path.cwd()
     if (base / "qconsole.toml").is_file():
         return base / "qconsole.toml", "file"
-    if (base / "pyproject.toml").is_file():
+    if (base / "pyproject.toml").is_file() and _has_qconsole_tables(base / "pyproject.toml"):
         return base / "pyproject.toml", "pyproject"
     return None, "none"
+
+
+def _has_qconsole_tables(pyproject: Path) -> bool:
+    """A project's pyproject.toml without [tool.qconsole] is no policy file: taken for one, it made a producer
+    run from the project's root (a web app) enqueue under the built-in defaults, not the workers' registered
+    policy. One that does not read is taken, for load to say why."""
+    try:
+        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return True
+    tool = data.get("tool", {})
+    return not isinstance(tool, Mapping) or "qconsole" in tool  # a [tool] that is no table: load says so
 
 
 def load(path: Path | None = None, environ: Mapping[str, str] | None = None) -> DeploymentPolicy:

@@ -164,6 +164,22 @@ def test_a_producer_with_a_policy_file_of_its_own_keeps_it(
     assert row(dsn, registered)["max_attempts"] == 7  # the contract its workers registered, in its queue
 
 
+def test_a_pyproject_without_qconsole_tables_is_no_policy_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A web app run from its project's root has a pyproject.toml with no [tool.qconsole]: taken for a policy
+    file (source: its path), it hid the workers' registered policy behind the built-in defaults."""
+    monkeypatch.delenv("QCONSOLE_POLICY_FILE", raising=False)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "shop"\n[tool.ruff]\nline-length = 100\n')
+    assert policy.find_policy_file(tmp_path) == (None, "none")
+    monkeypatch.chdir(tmp_path)
+    assert policy.load().source == "built-in"
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "shop"\n[tool.qconsole.defaults]\nmax_attempts = 6\n')
+    assert policy.find_policy_file(tmp_path) == (tmp_path / "pyproject.toml", "pyproject")
+    (tmp_path / "pyproject.toml").write_text("[tool.qconsole\n")  # unreadable: load says why
+    assert policy.find_policy_file(tmp_path)[0] == tmp_path / "pyproject.toml"
+    with pytest.raises(policy.PolicyError, match="cannot read the policy file"):
+        policy.load()
+
+
 def test_the_producers_own_variables_apply_over_the_workers_defaults(
     dsn: str,
     monkeypatch: pytest.MonkeyPatch,
