@@ -407,7 +407,8 @@ class EnvelopeFields(TypedDict, total=False):
     priority: int
     #: timezone-aware; not with delay_seconds
     scheduled_at: dt.datetime | None
-    delay_seconds: float
+    #: seconds, or a timedelta
+    delay_seconds: float | dt.timedelta
     max_attempts: int
     timeout_seconds: float
     visibility_timeout_seconds: float | None

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
+from typing_extensions import Unpack
 
 from worker_core import policy
 from worker_core.clock import SYSTEM_CLOCK, Clock, statement_now
@@ -37,6 +38,7 @@ from worker_core.envelope import (
     DEFAULT_VISIBILITY_MARGIN_SECONDS,
     JOB_TYPE_RE,
     Envelope,
+    EnvelopeFields,
     TypeDefaults,
     build_envelope,
 )
@@ -403,7 +405,7 @@ def enqueue(
     *,
     clock: Clock = SYSTEM_CLOCK,
     registry: Registry | None = None,
-    **envelope: Any,
+    **envelope: Unpack[EnvelopeFields],
 ) -> EnqueueResult:
     """Insert one job in the caller's transaction.
 
@@ -422,7 +424,7 @@ async def aenqueue(
     *,
     clock: Clock = SYSTEM_CLOCK,
     registry: Registry | None = None,
-    **envelope: Any,
+    **envelope: Unpack[EnvelopeFields],
 ) -> EnqueueResult:
     """``enqueue`` on a psycopg AsyncConnection, in the caller's async transaction: ``async with
     aconn.transaction(): ...; await worker_core.aenqueue(aconn, "invoice.generate", {...})``."""
