@@ -36,6 +36,8 @@ SHOTS: dict[str, tuple[tuple[int, int], Sequence[str], str]] = {
     "audit": (WIDE, ("a",), ""),
     "job-types": (WIDE, ("t", "down"), ""),
     "help": (WIDE, ("question_mark",), ""),
+    "limit-form": (WIDE, ("down", "down", "down", "l"), ""),
+    "payload-fix": (WIDE, ("j", "enter", "E"), ""),
     "outage": (WIDE, (), "outage"),
     "reads-failing": (WIDE, (), "refused"),
 }

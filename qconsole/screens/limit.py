@@ -75,7 +75,7 @@ class LimitScreen(ModalScreen[LimitRequest | None]):
         background: $background 60%;
     }
     LimitScreen > Vertical {
-        width: 70;
+        width: 90;
         max-width: 95%;
         height: auto;
         border: thick $warning;

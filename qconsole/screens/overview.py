@@ -249,13 +249,12 @@ class OverviewScreen(ConsoleScreen):
             parts.append((f"{fmt.WARN} dlq over {th.dlq_per_min:g}/m", bold))
         if t.paused:
             parts.append((self._paused_by(t.queue), bold))
-        if t.concurrency_limit is not None:
-            limit = self._limit_of(t)
-            n = t.concurrency_limit
-            said = f"{fmt.PAUSED} held (limit 0" if n == 0 else f"≤{n} running (limit"
-            if limit is not None:
-                said += ", " + limit_origin(limit, self.data.overview.at if self.data else None)
-            parts.append((said + ")", bold if t.concurrency_limit == 0 else ""))
+        limit = self._limit_of(t) if t.concurrency_limit is not None else None
+        origin = limit_origin(limit, self.data.overview.at if self.data else None) if limit is not None else ""
+        if t.concurrency_limit == 0:  # it explains the wait: who held it and why, first
+            parts.append((f"{fmt.PAUSED} held (limit 0" + (f", {origin})" if origin else ")"), bold))
+        elif t.concurrency_limit is not None:
+            parts.append((f"≤{t.concurrency_limit} running (limit)", ""))
         if t.queued_later:
             parts.append((f"+{t.queued_later} queued for later", ""))
         # over the window, per job started: its wait before start (due to start) and its handler's time
@@ -274,9 +273,11 @@ class OverviewScreen(ConsoleScreen):
             ("idempotency hits", t.idempotency_hits),
         ]
         parts.extend((f"{name} {n}", "") for name, n in optional if n)  # a zero says nothing: left out
+        if origin and t.concurrency_limit:  # a limit that holds nothing back entirely: whose, last (cut to fit)
+            parts.append((f"limit {origin}", ""))
         room = width - line.cell_len
         for text, style in parts:
-            if len(text) + 3 > room and text.startswith((fmt.PAUSED, "≤")) and room > 3 + 12:
+            if len(text) + 3 > room and text.startswith((fmt.PAUSED, "limit ")) and room > 3 + 12:
                 # who paused it, or held or limited the type, and why: cut where the screen ends, not left out
                 # (it is what the engineer asks before resuming); the rest of it is in `qconsole stats` and on `l`
                 text = fmt.clip(text, room - 3)

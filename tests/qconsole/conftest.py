@@ -153,7 +153,7 @@ class FakeBackend:
         ]  # fmt: skip
         queues = [
             QueueInfo("default", False, 74, 8),
-            QueueInfo("mail", True, 120, 0, changed_by="alice", changed_at=ago(1200)),
+            QueueInfo("mail", True, 120, 0, changed_by="alice", changed_at=ago(1200), reason="INC-7 smtp relay down"),
             QueueInfo("media", False, 3, 1),
         ]
         ov = Overview(
@@ -168,7 +168,13 @@ class FakeBackend:
                 ("default", "report.build"): wave(60, 1, 2, 5),
                 ("media", "image.resize"): wave(60, 2, 3, 13),
             },
-        )
+            limits=[
+                {"job_type": "invoice.generate", "queue": "*", "max_running": 2, "source": "task", "reason": None,
+                 "updated_at": ago(45), "set_by": None},
+                {"job_type": "email.send", "queue": "mail", "max_running": 10, "source": "operator",
+                 "reason": "smtp relay rate limit", "updated_at": ago(900), "set_by": "bob@10.0.0.7"},
+            ],
+        )  # fmt: skip
         lag = {"default": wave(60, 40, 80, 9), "mail": [float(i * 16) for i in range(60)], "media": wave(60, 1, 2)}
         return OverviewData(ov, lag)
 

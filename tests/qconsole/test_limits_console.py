@@ -96,7 +96,7 @@ def test_l_sets_a_limit_in_the_rows_queue_and_refuses_what_it_cannot_do(dsn: str
             screen.reload()
             await settle(pilot)
             line = overview_line(app, "t.ok @ billing")
-            assert "≤3 running (limit, set by " in line, line
+            assert "≤3 running (limit)" in line and "limit set by " in line, line
             # escape leaves it as it is
             await pilot.press("l")
             await until(pilot, lambda: isinstance(app.screen, LimitScreen), what="the limit form")
