@@ -39,6 +39,21 @@ GIVE_UP_AFTER = 5
 STARTUP_SECONDS = 60.0
 
 
+#: the connection that ends a dead worker's leases and records its stop: each statement waits this long at most
+#: for a lock (a LOCK TABLE on job_queue, a VACUUM FULL, a migration; an operator's open transaction on the
+#: workers row), and runs this long at most, as a worker's own statements do (its beats' lock_timeout). With no
+#: bound, behind a table lock it waited for the whole lock, and the supervisor with it: it restarted no child and
+#: watched no other meanwhile. What did not go through is tried again later (Supervisor._retry_unended)
+END_LOCK_TIMEOUT_MS = 1_000
+END_STATEMENT_TIMEOUT_MS = 5_000
+#: all its statements together, for a server that stopped answering while TCP still acknowledges (db.Deadline)
+END_DEADLINE_SECONDS = 10.0
+#: a dead worker whose leases or stop could not be written is tried again after 1 s, then 2, 4... up to this
+END_RETRY_MAX_SECONDS = 30.0
+#: dead workers kept for another try at most (the oldest are forgotten: their leases run out by themselves)
+END_RETRY_MAX_WORKERS = 1_000
+
+
 def end_dead_worker(dsn: str, *, worker_id: str | None = None, process: tuple[str, int] | None = None) -> list[str]:
     """A worker process that died without stopping: its leases end now (see :func:`_end_dead_worker`)."""
     return _end_dead_worker(dsn, worker_id=worker_id, process=process)[0]
@@ -53,23 +68,78 @@ def _end_dead_worker(
     and the lock_key leases of those jobs (PostgreSQL backend; Redis ones run out by themselves) end too.
     Name it by ``worker_id``, or by ``process`` = (host, pid) when its id is not known (a worker a console
     started). Returns the ids of the jobs whose leases ended; raises psycopg.Error (the leases then still
-    run out by themselves). :func:`_end_dead_worker` says too whether it had a row (it beat once at least)."""
+    run out by themselves), after END_LOCK_TIMEOUT_MS at most behind a lock. :func:`_end_dead_worker` says
+    too whether it had a row (it beat once at least)."""
     if (worker_id is None) == (process is None):
         raise ValueError("name the worker by its id or by its process")
-    with db.connect(dsn, application_name="qconsole-supervisor") as conn, conn.transaction():
-        if process is not None:
-            rows = conn.execute(queries["workers_of_process"], {"host": process[0], "pid": process[1]})
-            ids = [r["id"] for r in rows.fetchall()]
-        else:
-            ids = [worker_id]
-        now = now_on(conn, SYSTEM_CLOCK)  # the server's: a host ahead ended the leases in its own future
-        ended = conn.execute(queries["expire_worker_leases"], {"now": now, "workers": ids}).fetchall()
-        if ended:
-            conn.execute(queries["release_locks_of_jobs"], {"jobs": [r["id"] for r in ended]})
-        beat = False
-        for one in ids:
-            beat = conn.execute(queries["worker_stopped"], {"now": now, "id": one}).rowcount > 0 or beat
-    return [str(r["id"]) for r in ended], beat
+    ended = _end_dead_workers(dsn, [worker_id] if worker_id is not None else [], process=process)
+    if ended.error is not None:
+        raise ended.error
+    return ended.jobs, bool(ended.beaten)
+
+
+@dataclasses.dataclass
+class _Ended:
+    #: the jobs whose leases ended
+    jobs: list[str]
+    #: the workers named that had a row (they beat once at least); None: not read (the database did not answer)
+    beaten: set[str] | None
+    #: what failed, if anything did: the leases, the stop, or both are to be tried again
+    error: psycopg.Error | None
+
+
+def _end_dead_workers(dsn: str, ids: list[str], *, process: tuple[str, int] | None = None) -> _Ended:
+    """Ends the leases of dead workers ``ids`` (and of the workers of ``process``), and records the stop of
+    those whose row does not say it: a child that exited without recording its own (its stop record failed:
+    the workers table locked, the connection lost) read as lost for a day. The leases and the stops are two
+    transactions: behind a lock on job_queue the stops are recorded all the same. Never waits longer than
+    END_LOCK_TIMEOUT_MS for a lock, END_STATEMENT_TIMEOUT_MS for a statement, END_DEADLINE_SECONDS in all;
+    what failed is in ``error`` (both parts may be tried again: each changes only what is still to change)."""
+    jobs: list[str] = []
+    beaten: set[str] | None = None
+    error: psycopg.Error | None = None
+    try:
+        conn = db.connect(
+            dsn,
+            application_name="qconsole-supervisor",
+            autocommit=True,
+            statement_timeout_ms=END_STATEMENT_TIMEOUT_MS,
+            lock_timeout_ms=END_LOCK_TIMEOUT_MS,
+        )
+    except psycopg.Error as e:
+        return _Ended(jobs, beaten, e)
+    try:
+        with conn, db.Deadline(conn, END_DEADLINE_SECONDS):
+            if process is not None:
+                rows = conn.execute(queries["workers_of_process"], {"host": process[0], "pid": process[1]})
+                ids = [*ids, *(r["id"] for r in rows.fetchall())]
+            now = now_on(conn, SYSTEM_CLOCK)  # the server's: a host ahead ended the leases in its own future
+            try:
+                with conn.transaction():
+                    ended = conn.execute(queries["expire_worker_leases"], {"now": now, "workers": ids}).fetchall()
+                    if ended:
+                        conn.execute(queries["release_locks_of_jobs"], {"jobs": [r["id"] for r in ended]})
+                jobs = [str(r["id"]) for r in ended]
+            except psycopg.Error as e:
+                if conn.broken:
+                    raise
+                error = e  # behind a lock on job_queue, say: the stops are recorded all the same
+            with conn.transaction():
+                had = conn.execute(_WORKERS_OF, {"ids": ids}).fetchall()
+                conn.execute(_STOPPED_IF_NOT, {"now": now, "ids": ids})
+            beaten = {str(r["id"]) for r in had}
+    except psycopg.Error as e:
+        error = e
+    return _Ended(jobs, beaten, error)
+
+
+#: which of the workers named have a row (they beat once at least), locked for the stop below
+_WORKERS_OF = "SELECT id FROM workers WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE"
+#: their stop, where it is not recorded yet: one a child recorded itself stays as it wrote it
+_STOPPED_IF_NOT = (
+    "UPDATE workers SET stopped_at = %(now)s, in_flight = 0, last_heartbeat_at = %(now)s"
+    " WHERE id = ANY(%(ids)s) AND stopped_at IS NULL"
+)
 
 
 def _child(config: WorkerConfig, log_format: str, log_level: str | int, refused: Any) -> None:
@@ -145,6 +215,10 @@ class Supervisor:
         self._stop = threading.Event()
         self._generation = 0
         self._recent_deaths: list[float] = []
+        #: dead children whose leases or stop are still to be written (see _expire), since when
+        self._unended: dict[str, float] = {}
+        self._retry_at = 0.0
+        self._retry_delay = 1.0
         self.dsn = db.resolve_dsn(config.dsn)
 
     def _start(self, slot: int) -> None:
@@ -162,15 +236,43 @@ class Supervisor:
         self._started_at[worker_id] = time.monotonic()
 
     def _expire(self, worker_id: str) -> bool | None:
-        """Ends a dead child's leases. Whether it had beaten once at least (None: the database did not say)."""
-        try:
-            ended, beat = _end_dead_worker(self.dsn, worker_id=worker_id)
-        except psycopg.Error as e:
-            self.log.warning("could not end the leases of %s: %s", worker_id, db.redact(str(e), self.dsn))
+        """Ends a dead child's leases and records its stop if it did not (_end_dead_workers), bounded: what
+        did not go through is tried again later (_retry_unended), never waited for. Whether it had beaten once
+        at least (None: the database did not say)."""
+        return self._end(worker_id)
+
+    def _end(self, *worker_ids: str) -> bool | None:
+        """_expire for dead children ``worker_ids`` and those still to be ended (_unended), on one connection:
+        whether one of ``worker_ids`` had beaten once at least (None: the database did not say)."""
+        ids = [*worker_ids, *(i for i in self._unended if i not in worker_ids)]
+        if not ids:
             return None
-        if ended:
-            self.log.warning("ended %s leases of dead worker %s", len(ended), worker_id)
-        return beat
+        ended = _end_dead_workers(self.dsn, ids)
+        if ended.jobs:
+            self.log.warning("ended %s leases of dead worker %s", len(ended.jobs), ", ".join(worker_ids or ids))
+        if ended.error is not None:
+            self.log.warning(
+                "could not end the leases or record the stop of %s (tried again in %.0f s): %s",
+                ", ".join(ids), self._retry_delay, db.redact(str(ended.error).strip(), self.dsn),
+            )  # fmt: skip
+            for worker_id in ids:
+                self._unended.setdefault(worker_id, time.monotonic())
+            while len(self._unended) > END_RETRY_MAX_WORKERS:
+                del self._unended[next(iter(self._unended))]
+            self._retry_at = time.monotonic() + self._retry_delay
+            self._retry_delay = min(END_RETRY_MAX_SECONDS, 2 * self._retry_delay)
+        else:
+            self._unended.clear()
+            self._retry_delay = 1.0
+        if ended.beaten is None:
+            return None
+        return any(i in ended.beaten for i in worker_ids)
+
+    def _retry_unended(self) -> None:
+        """The dead children whose leases or stop could not be written (behind a lock, the database away),
+        once their retry is due: one connection for all of them."""
+        if self._unended and time.monotonic() >= self._retry_at:
+            self._end()
 
     def stop(self) -> None:
         self._stop.set()
@@ -223,6 +325,8 @@ class Supervisor:
                 # forgotten whatever comes next: a child that had beaten, then died, kept its entry for ever
                 started_at = self._started_at.pop(worker_id, 0.0)
                 if self.config.burst and proc.exitcode == 0:
+                    # it released what it held; its stop is recorded if its own record failed
+                    self._expire(worker_id)
                     del self.children[slot]
                     self._refusals.pop(worker_id, None)
                     continue
@@ -230,9 +334,10 @@ class Supervisor:
                 gave_up = said is not None and said.value == EXIT_UNAVAILABLE  # said by it: see _child
                 if self.config.burst and proc.exitcode == EXIT_UNAVAILABLE and gave_up:
                     # its claims kept failing (behind a lock on job_queue, say): restarted, its burst began
-                    # again, for ever. What it held it released, or its leases run out: ending them here
-                    # would wait behind the same lock, with no statement timeout
+                    # again, for ever. What it held it released, or its leases run out; ending them here
+                    # waits behind the same lock END_LOCK_TIMEOUT_MS at most, and its stop is recorded
                     self.log.error("worker %s gave up its burst: not restarted", worker_id)
+                    self._expire(worker_id)
                     del self.children[slot]
                     self._refusals.pop(worker_id, None)
                     self.gave_up += 1
@@ -274,13 +379,17 @@ class Supervisor:
                 self.restarts += 1
                 self._start(slot)
             if not self.children:
+                if self._unended:
+                    self._end()  # a last try, bounded
                 return EXIT_CONFIG if self.refused else EXIT_UNAVAILABLE if self.gave_up else 0
+            self._retry_unended()
             self._stop.wait(0.2)
         return self._shutdown()
 
     def _shutdown(self) -> int:
         self._signal_children(SUPERVISOR_STOP)
         deadline = time.monotonic() + self.config.shutdown_grace + self.config.cancel_grace + 10
+        clean = []
         for proc, worker_id in self.children.values():
             proc.join(max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
@@ -289,8 +398,14 @@ class Supervisor:
                 proc.join(5)
             if proc.exitcode != 0:
                 # killed, or died of its own during the stop (a payload that kills its process): what it
-                # held is released now, not when its leases run out. A clean exit released its jobs itself
+                # held is released now, not when its leases run out
                 self._expire(worker_id)
+            else:
+                clean.append(worker_id)
+        # a clean exit released its jobs itself; its stop is recorded here where its own record failed (it read
+        # as lost for a day): one connection for them all, and for the dead children still to be ended
+        if clean or self._unended:
+            self._end(*clean)
         return 0
 
 
