@@ -862,6 +862,7 @@ def worker(
         metrics_port=metrics_port,
         retention=retention,
         housekeeping=housekeeping,
+        check_database=False,  # checked above, with the CLI's own messages and exit codes: not again
     )
     if stop_on_stdin_eof:
         _stop_on_stdin_eof(supervised=processes > 1)

@@ -17,7 +17,7 @@ import psycopg
 from worker_core.clock import SYSTEM_CLOCK, Clock, now_on
 from worker_core.db import Conn
 from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
-from worker_core.errors import ChangedMeanwhile, EnvelopeError, NotFound, ReadOnlyError
+from worker_core.errors import ChangedMeanwhile, EnvelopeError, NotFound, ReadOnlyError, WorkerCoreError
 from worker_core.metrics import MetricsBuffer
 from worker_core.models import REQUEUEABLE_STATES, ActionResult, JobState
 from worker_core.sql import queries
@@ -129,6 +129,17 @@ def audit_entry_of_token(conn: Conn, token: str) -> tuple[int, int] | None:
 
 #: what a worker writes (claims, settles, heartbeats): a role without one of these on them cannot work
 WORKER_WRITES = tuple((t, p) for t in ("job_queue", "workers") for p in ("SELECT", "INSERT", "UPDATE", "DELETE"))
+#: which of WORKER_WRITES this role lacks, in one round trip (a worker checks it at every start)
+_LACKING = (
+    "SELECT t AS relation, p AS privilege FROM unnest(%(tables)s::text[], %(privileges)s::text[]) WITH ORDINALITY"
+    " AS w(t, p, n) WHERE NOT has_table_privilege(t, p) ORDER BY n"
+)
+
+
+class WorkerRefused(WorkerCoreError):
+    """A worker cannot run on this server as this role (:func:`worker_refusal` says why): a read-only server
+    or session (a replica), or a role that may not write (or read) the queue's tables. Raised by
+    ``Worker.run()`` before it starts; ``qconsole worker`` exits 1 with the same reason."""
 
 
 def worker_refusal(conn: Conn) -> str | None:
@@ -136,11 +147,8 @@ def worker_refusal(conn: Conn) -> str | None:
     row = conn.execute(queries["is_read_only"]).fetchone()
     if row and row["ro"]:
         return read_only_reason(conn)
-    missing = []
-    for table, privilege in WORKER_WRITES:
-        held = conn.execute(queries["table_privilege"], {"table": table, "privilege": privilege}).fetchone()
-        if not (held and held["ok"]):
-            missing.append(f"{privilege} on {table}")
+    params = {"tables": [t for t, _ in WORKER_WRITES], "privileges": [p for _, p in WORKER_WRITES]}
+    missing = [f"{r['privilege']} on {r['relation']}" for r in conn.execute(_LACKING, params).fetchall()]
     if missing:
         return (
             f"this role may not write the queue's tables (it lacks {', '.join(missing)}): grant them, or run the"

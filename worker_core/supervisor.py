@@ -30,7 +30,7 @@ from worker_core.clock import SYSTEM_CLOCK, now_on
 from worker_core.logs import bound_logger
 from worker_core.signals import STOP_SIGNALS, SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, SignalRelay, relay_signals
 from worker_core.sql import queries
-from worker_core.worker import EXIT_CONFIG, EXIT_UNAVAILABLE, WorkerConfig, run_worker
+from worker_core.worker import EXIT_CONFIG, EXIT_UNAVAILABLE, WorkerConfig, check_worker_database, run_worker
 
 #: what a supervisor exits with when its worker processes keep dying before their first heartbeat
 EXIT_GAVE_UP = 4
@@ -225,7 +225,10 @@ class Supervisor:
         self._generation += 1
         worker_id = f"{socket.gethostname()}:{os.getpid()}:w{slot}.{self._generation}"
         port = self.config.metrics_port + slot if self.config.metrics_port else None
-        cfg = dataclasses.replace(self.config, worker_id=worker_id, dsn=self.dsn, metrics_port=port)
+        # checked once, by run(), for them all
+        cfg = dataclasses.replace(
+            self.config, worker_id=worker_id, dsn=self.dsn, metrics_port=port, check_database=False
+        )
         refused = self.ctx.Value("b", 0, lock=False)
         proc = self.ctx.Process(
             target=_child, args=(cfg, self.log_format, self.log_level, refused), name=f"worker-{slot}", daemon=False
@@ -298,6 +301,21 @@ class Supervisor:
                     os.kill(proc.pid, signum)
 
     def run(self) -> int:
+        """Supervise until stopped; an exit code. Refused first, as Worker.run() is (NotMigrated,
+        WorkerRefused: see check_worker_database), before any process starts; its processes do not check again,
+        each (unless config.check_database is False: the caller checked)."""
+        if self.config.check_database:
+            try:
+                check_worker_database(
+                    self.dsn,
+                    embedded=db.configured_dsn(self.config.dsn) is None,
+                    application_name=self.config.application_name,
+                )
+            except psycopg.OperationalError as e:  # its workers say it, and do what they do then
+                self.log.warning(
+                    "could not check the database before starting (starting anyway): %s",
+                    db.redact(str(e).strip(), self.dsn),
+                )
         self._install_signals()
         try:
             return self._supervise()

@@ -50,7 +50,9 @@ from worker_core.execution import Abandoned, Execution, Slot, UndecodablePayload
 from worker_core.locks import LockBackend, lease_seconds, lock_backend
 from worker_core.logs import bound_logger, job_fields
 from worker_core.metrics import MetricsBuffer
-from worker_core.producer import publish_policy
+from worker_core.migrate import MigrationFailed, applied_versions, load_migrations, migrate
+from worker_core.ops import WorkerRefused, worker_refusal
+from worker_core.producer import NotMigrated, publish_policy
 from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry
 from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, WORKER_SIGNALS, SignalRelay, relay_signals
@@ -160,6 +162,9 @@ class WorkerConfig:
     #: serve this worker's Prometheus counters and histograms on this port
     metrics_port: int | None = None
     retention: maintenance.Retention = field(default_factory=maintenance.Retention)
+    #: ``run()`` checks the database before it starts, as ``qconsole worker`` does (check_worker_database); False
+    #: where the caller checked it: the CLI, and a supervisor for its worker processes (it checks once for all)
+    check_database: bool = True
 
 
 def default_worker_id() -> str:
@@ -304,7 +309,24 @@ class Worker:
     _exporter: WorkerExporter | None = None
 
     def run(self) -> int:
-        """Run until stopped (or, with ``burst``, until nothing is ready or running). Returns an exit code."""
+        """Run until stopped (or, with ``burst``, until nothing is ready or running). Returns an exit code.
+
+        First, as ``qconsole worker`` does, the database is checked (check_worker_database): a worker on a
+        database with migrations pending (applied here on the embedded server), or on a read-only server or
+        as a role that may not write the queue's tables, is refused before anything starts: NotMigrated or
+        WorkerRefused is raised. Without it, it claimed nothing and said so once a second, for ever. Not
+        with ``check_database=False`` (WorkerConfig): the caller checked."""
+        if self.config.check_database:
+            embedded = db.configured_dsn(self.config.dsn) is None
+            try:
+                check_worker_database(self.dsn, embedded=embedded, application_name=self.config.application_name)
+            except psycopg.OperationalError as e:
+                # not reachable now, or not answering in time: what it does then (a burst gives up after
+                # burst_give_up, another keeps trying) it does as before
+                self.log.warning(
+                    "could not check the database before starting (starting anyway): %s",
+                    db.redact(str(e).strip(), self.dsn),
+                )
         self._install_signals()
         try:
             return self._run()
@@ -1478,6 +1500,50 @@ class Worker:
         ex.ctx.logger.error("handler did not stop after %s; abandoned", ex.ctx.cancel_reason)
         slot.abandon()
         self._spawn(self._slot_main, f"slot-{slot.index}", slot.index, ex)
+
+
+def check_worker_database(dsn: str, *, embedded: bool = False, application_name: str = "qconsole-worker") -> None:
+    """What a worker checks before it starts (``Worker.run()``, a supervisor before its processes; ``qconsole
+    worker`` checks the same, and says it its own way): the database is migrated, by this version (NotMigrated
+    otherwise, saying what to run; on the ``embedded`` server the migrations pending are applied here, as the
+    CLI does), and a worker may run there: neither a read-only server or session (a replica) nor a role that
+    may not write (or read) job_queue and workers (WorkerRefused, saying why). psycopg.OperationalError when
+    the database cannot be reached, or does not answer within a worker's statement timeout."""
+    with db.connect(
+        dsn, application_name=application_name, autocommit=True, statement_timeout_ms=db.OWN_STATEMENT_TIMEOUT_MS
+    ) as conn:
+        try:
+            migrations = load_migrations()
+            done = applied_versions(conn)
+            if embedded and any(m.version not in done for m in migrations):
+                try:
+                    with db.connect(dsn, application_name="qconsole-migrate") as mconn:
+                        migrate(mconn)
+                except MigrationFailed as e:
+                    raise NotMigrated(f"the embedded server's migrations failed: {e}") from e
+                done = applied_versions(conn)
+            pending = [m for m in migrations if m.version not in done]
+            if pending:
+                names = ", ".join(m.label for m in pending)
+                raise NotMigrated(
+                    f"the database needs migrations ({names}): run `qconsole migrate` (as the schema's owner), or"
+                    " check that the DSN names the queue's database"
+                )
+            changed = [m for m in migrations if m.version in done and not m.matches(done[m.version])]
+            if changed:
+                names = ", ".join(m.label for m in changed)
+                raise NotMigrated(
+                    f"migrations {names} differ from what this database applied: this worker_core is not the"
+                    " version that migrated it, and its workers refuse to start"
+                )
+            refusal = worker_refusal(conn)
+        except psycopg.errors.InsufficientPrivilege as e:
+            raise WorkerRefused(
+                f"this role cannot read the queue's tables ({db.redact(str(e).strip(), dsn)}): grant it SELECT,"
+                " INSERT, UPDATE, DELETE on them, or run the worker as a role that has them"
+            ) from e
+    if refusal:
+        raise WorkerRefused(f"the worker cannot run here: {refusal}")
 
 
 def run_worker(config: WorkerConfig, registry: Registry | None = None) -> int:
