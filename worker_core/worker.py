@@ -46,6 +46,7 @@ from worker_core import db, maintenance, policy
 from worker_core.clock import SYSTEM_CLOCK, Clock, ServerAlignedClock, SystemClock
 from worker_core.completer import Completer
 from worker_core.context import JobContext
+from worker_core.envelope import QUEUE_RE
 from worker_core.execution import Abandoned, Execution, Slot, UndecodablePayload, array_literal
 from worker_core.locks import LockBackend, lease_seconds, lock_backend
 from worker_core.logs import bound_logger, job_fields
@@ -165,6 +166,33 @@ class WorkerConfig:
     #: ``run()`` checks the database before it starts, as ``qconsole worker`` does (check_worker_database); False
     #: where the caller checked it: the CLI, and a supervisor for its worker processes (it checks once for all)
     check_database: bool = True
+
+    def __post_init__(self) -> None:
+        """Refused at construction, with what to write instead: ``task_modules="myapp.tasks"`` (a str) imported
+        the modules ``m``, ``y``, ``a``... (``No module named 'm'``), and ``queues="billing"`` worked the
+        queues ``b``, ``i``, ``l``..., none of them billing, claiming nothing and saying nothing. A list is
+        taken as the tuple it would be."""
+        self.task_modules = _names("task_modules", self.task_modules, "module", '("myapp.tasks",)')
+        if self.queues is not None:
+            self.queues = _names("queues", self.queues, "queue", '("billing",)')
+            bad = next((q for q in self.queues if not QUEUE_RE.match(q)), None)
+            if bad is not None:
+                raise ValueError(f"queues: {bad!r} is not a queue name (letters, digits, _ . : -)")
+
+
+def _names(field_name: str, value: Any, what: str, example: str) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)):
+        raise TypeError(
+            f"WorkerConfig({field_name}={value!r}): a tuple of {what} names, not a str (it was read one letter per"
+            f" {what}): write {field_name}=({value!r},), as in {field_name}={example}"
+        )
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise TypeError(f"WorkerConfig({field_name}={value!r}): a tuple of {what} names, as in {example}") from None
+    for odd in (n for n in names if not isinstance(n, str) or not n.strip()):
+        raise TypeError(f"WorkerConfig({field_name}=...): {odd!r} is not a {what} name (a non-empty str)")
+    return names
 
 
 def default_worker_id() -> str:
