@@ -774,7 +774,9 @@ def worker(
     ] = None,
     shutdown_grace: Annotated[float, typer.Option("--shutdown-grace", min=0)] = 10.0,
     poll_interval: Annotated[float, typer.Option("--poll-interval", min=0.05)] = 1.0,
-    heartbeat: Annotated[float, typer.Option("--heartbeat", min=0.1, help="Heartbeat interval, seconds.")] = 2.0,
+    heartbeat: Annotated[
+        float, typer.Option("--heartbeat", min=0.1, help="Heartbeat interval, seconds (10 at most).")
+    ] = 2.0,
     metrics_port: Annotated[
         int | None,
         typer.Option("--metrics-port", min=0, max=65535, help="Serve Prometheus metrics (process i: port + i)."),
@@ -811,7 +813,7 @@ def worker(
     from worker_core.logs import setup_logging
     from worker_core.maintenance import Retention
     from worker_core.supervisor import run_supervised
-    from worker_core.worker import EXIT_CONFIG, WorkerConfig, run_worker
+    from worker_core.worker import EXIT_CONFIG, MAX_HEARTBEAT_INTERVAL_SECONDS, WorkerConfig, run_worker
 
     if log_format not in ("text", "json"):
         fail("--log-format must be text or json", 2)
@@ -821,6 +823,10 @@ def worker(
         last = metrics_port + processes - 1
         fail(f"--metrics-port {metrics_port} with --processes {processes}: process {processes - 1} would serve"
              f" port {last}, past 65535", 2)  # fmt: skip
+    if heartbeat > MAX_HEARTBEAT_INTERVAL_SECONDS:
+        # before anything starts: a live worker beaten less often read as lost (no beat for 30 s) in the console
+        fail(f"--heartbeat {heartbeat:g}: {MAX_HEARTBEAT_INTERVAL_SECONDS:g} s at most: a worker not beaten for"
+             " 30 s reads as lost, and one beat may fail while it lives", 2)  # fmt: skip
     try:
         give_up = parse_duration(burst_give_up)
     except typer.BadParameter as e:

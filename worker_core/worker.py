@@ -58,6 +58,7 @@ from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry
 from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, WORKER_SIGNALS, SignalRelay, relay_signals
 from worker_core.sql import queries
+from worker_core.stats import LOST_AFTER_SECONDS
 
 if TYPE_CHECKING:
     from worker_core.prometheus import WorkerExporter
@@ -98,6 +99,11 @@ BEAT_LOCK_WAIT_MAX_SECONDS = 5.0
 #: how long a stopping worker keeps trying to record its stop (workers.stopped_at) that failed (a lock on
 #: workers, the connection lost): not recorded, it reads as lost until its row is pruned, a day later
 STOP_RECORD_SECONDS = 5.0
+#: the longest heartbeat_interval: a worker whose row is not beaten for LOST_AFTER_SECONDS (30 s) reads as lost in
+#: the console and ``qconsole workers``, and one beat may fail or give up on a lock (BEAT_LOCK_WAIT_MAX_SECONDS
+#: for each of its parts) while the worker lives: two intervals and a beat's waits must fit in it. At 15 s, one
+#: missed beat made a live worker read as lost; at 30 s, it did between every two beats
+MAX_HEARTBEAT_INTERVAL_SECONDS = LOST_AFTER_SECONDS / 3
 CLAIM_RUN = queries["claim_run"].encode()
 PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
@@ -173,6 +179,11 @@ class WorkerConfig:
         queues ``b``, ``i``, ``l``..., none of them billing, claiming nothing and saying nothing. A list is
         taken as the tuple it would be."""
         self.task_modules = _names("task_modules", self.task_modules, "module", '("myapp.tasks",)')
+        beat = self.heartbeat_interval
+        # (MAX_HEARTBEAT_INTERVAL_SECONDS is refused by qconsole worker --heartbeat; here, only an interval that
+        # is no interval: 0 beat without pause)
+        if not (isinstance(beat, (int, float)) and beat > 0):
+            raise ValueError(f"heartbeat_interval={beat!r}: a worker beats every so many seconds, more than 0")
         if self.queues is not None:
             self.queues = _names("queues", self.queues, "queue", '("billing",)')
             bad = next((q for q in self.queues if not QUEUE_RE.match(q)), None)

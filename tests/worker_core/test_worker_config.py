@@ -22,3 +22,12 @@ def test_task_modules_or_queues_given_as_a_str_are_refused_saying_what_to_write(
     taken = WorkerConfig(task_modules=["a.tasks"], queues=["billing"])  # type: ignore[arg-type]
     assert (taken.task_modules, taken.queues) == (("a.tasks",), ("billing",))
     assert WorkerConfig().queues is None
+
+
+
+@pytest.mark.parametrize("interval", [0, -1, float("nan")])
+def test_a_heartbeat_interval_that_is_no_interval_is_refused(interval: float) -> None:
+    # 0 beat without pause, a negative one too (Event.wait returns at once)
+    with pytest.raises(ValueError, match="more than 0"):
+        WorkerConfig(heartbeat_interval=interval)
+    assert WorkerConfig(heartbeat_interval=10).heartbeat_interval == 10
