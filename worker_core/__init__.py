@@ -16,6 +16,7 @@ from worker_core.errors import (
     PermanentError,
     ReadOnlyError,
     TransientError,
+    WorkerRefused,
 )
 from worker_core.models import EnqueueResult, Job, JobState
 from worker_core.optimistic import VersionConflict, aversioned_update, versioned_update
@@ -48,6 +49,7 @@ __all__ = [
     "VersionConflict",
     "Worker",
     "WorkerConfig",
+    "WorkerRefused",
     "aenqueue",
     "aenqueue_many",
     "asingle_flight",

@@ -67,6 +67,12 @@ class ReadOnlyError(WorkerCoreError):
     """An operator action was attempted in read-only mode."""
 
 
+class WorkerRefused(WorkerCoreError):
+    """A worker cannot run on this server as this role (:func:`worker_refusal` says why): a read-only server
+    or session (a replica), or a role that may not write (or read) the queue's tables. Raised by
+    ``Worker.run()`` before it starts; ``qconsole worker`` exits 1 with the same reason."""
+
+
 class ChangedMeanwhile(WorkerCoreError, ValueError):
     """An operator action made from what was read (a limit in the console's form) found it changed since:
     nothing was done, so as not to undo another operator's change unseen."""

@@ -17,7 +17,7 @@ import psycopg
 from worker_core.clock import SYSTEM_CLOCK, Clock, now_on
 from worker_core.db import Conn
 from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
-from worker_core.errors import ChangedMeanwhile, EnvelopeError, NotFound, ReadOnlyError, WorkerCoreError
+from worker_core.errors import ChangedMeanwhile, EnvelopeError, NotFound, ReadOnlyError
 from worker_core.metrics import MetricsBuffer
 from worker_core.models import REQUEUEABLE_STATES, ActionResult, JobState
 from worker_core.sql import queries
@@ -134,12 +134,6 @@ _LACKING = (
     "SELECT t AS relation, p AS privilege FROM unnest(%(tables)s::text[], %(privileges)s::text[]) WITH ORDINALITY"
     " AS w(t, p, n) WHERE NOT has_table_privilege(t, p) ORDER BY n"
 )
-
-
-class WorkerRefused(WorkerCoreError):
-    """A worker cannot run on this server as this role (:func:`worker_refusal` says why): a read-only server
-    or session (a replica), or a role that may not write (or read) the queue's tables. Raised by
-    ``Worker.run()`` before it starts; ``qconsole worker`` exits 1 with the same reason."""
 
 
 def worker_refusal(conn: Conn) -> str | None:

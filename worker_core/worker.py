@@ -47,12 +47,13 @@ from worker_core.clock import SYSTEM_CLOCK, Clock, ServerAlignedClock, SystemClo
 from worker_core.completer import Completer
 from worker_core.context import JobContext
 from worker_core.envelope import QUEUE_RE
+from worker_core.errors import WorkerRefused
 from worker_core.execution import Abandoned, Execution, Slot, UndecodablePayload, array_literal
 from worker_core.locks import LockBackend, lease_seconds, lock_backend
 from worker_core.logs import bound_logger, job_fields
 from worker_core.metrics import MetricsBuffer
 from worker_core.migrate import MigrationFailed, applied_versions, load_migrations, migrate
-from worker_core.ops import WorkerRefused, worker_refusal
+from worker_core.ops import worker_refusal
 from worker_core.producer import NotMigrated, publish_policy
 from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry

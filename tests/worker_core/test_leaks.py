@@ -12,7 +12,7 @@ from psycopg.conninfo import make_conninfo
 
 import tests.worker_core.tasks  # noqa: F401
 from tests.worker_core.helpers import FreezingProxy, Held, WorkerThread, wait_for
-from worker_core import db, enqueue, policy
+from worker_core import NotMigrated, db, enqueue, policy
 from worker_core.prometheus import FleetCollector
 
 
@@ -39,7 +39,7 @@ def test_a_worker_refused_at_its_start_leaves_no_thread_behind(
     held.assert_released()
 
 
-@pytest.mark.parametrize("where", ["unreachable", "not-migrated", "gone-mid-run"])
+@pytest.mark.parametrize("where", ["unreachable", "not-migrated", "not-migrated-unchecked", "gone-mid-run"])
 def test_a_worker_whose_database_fails_it_leaves_nothing_open(
     dsn: str, empty_dsn: str, conn: db.Conn, where: str
 ) -> None:
@@ -49,14 +49,22 @@ def test_a_worker_whose_database_fails_it_leaves_nothing_open(
     target = {
         "unreachable": make_conninfo(dsn, host="127.0.0.1", port=_closed_port()),
         "not-migrated": empty_dsn,
+        "not-migrated-unchecked": empty_dsn,
         "gone-mid-run": proxy.dsn,
     }[where]
-    counted = empty_dsn if where == "not-migrated" else dsn
+    counted = empty_dsn if where.startswith("not-migrated") else dsn
     for _ in range(6):
         enqueue(conn, "t.slow", {"seconds": 1.0})
     held = Held(counted)
     try:
-        wt = WorkerThread(target, burst=False, heartbeat_interval=0.2, concurrency=3).start()
+        # unchecked: as the CLI runs it, having checked the schema itself (a Worker refuses one not migrated)
+        checked = where != "not-migrated-unchecked"
+        wt = WorkerThread(target, burst=False, heartbeat_interval=0.2, concurrency=3, check_database=checked).start()
+        if where == "not-migrated":
+            with pytest.raises(NotMigrated):
+                wt.join(30)
+            held.assert_released()
+            return
         if where == "gone-mid-run":
             wait_for(lambda: conn.execute("SELECT count(*) AS n FROM job_queue WHERE state = 'running'").fetchone()
                      == {"n": 6}, 10, what="the jobs to run")  # fmt: skip

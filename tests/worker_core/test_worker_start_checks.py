@@ -15,7 +15,7 @@ from psycopg.conninfo import make_conninfo
 import worker_core
 from tests.worker_core.helpers import TASKS, config
 from worker_core import db
-from worker_core.ops import WorkerRefused
+from worker_core.errors import WorkerRefused
 from worker_core.supervisor import Supervisor
 from worker_core.worker import Worker, WorkerConfig
 
