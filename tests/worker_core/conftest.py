@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -51,3 +51,18 @@ def tx_conn(module_conn: db.Conn) -> Iterator[db.Conn]:
     module_conn.rollback()
     with module_conn.transaction(force_rollback=True):
         yield module_conn
+
+
+@pytest.fixture
+def locker(dsn: str) -> Iterator[Callable[[str], None]]:
+    """``locker("job_queue")``: an ACCESS EXCLUSIVE lock on the table (a DBA's LOCK TABLE, a VACUUM FULL) held
+    in an open transaction until the test releases it (``locker("")``) or ends."""
+    conn = psycopg.connect(dsn)
+
+    def lock(table: str) -> None:
+        conn.rollback()
+        if table:
+            conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+
+    yield lock
+    conn.close()

@@ -346,3 +346,32 @@ class FreezingProxy:
         proxy = cls(str(params.get("host") or "127.0.0.1"), int(str(params.get("port") or 5432)), hang_ups)
         proxy.dsn = make_conninfo(dsn, host="127.0.0.1", port=proxy.port)
         return proxy
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """``fn()`` in a daemon thread: its result, or the exception it raised, lands in the list."""
+    out: list[Any] = []
+
+    def main() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=main, daemon=True)
+    t.start()
+    return t, out
+
+
+def running_as(dsn: str, job_id: uuid.UUID, worker: str) -> None:
+    with db.connect(dsn, autocommit=True) as c:
+        c.execute(
+            "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = %s,"
+            " locked_until = now() + interval '1 hour' WHERE id = %s",
+            (worker, job_id),
+        )
+        c.execute(
+            "INSERT INTO workers (id, host, pid, concurrency, in_flight, started_at, last_heartbeat_at)"
+            " VALUES (%s, 'h', 1, 1, 1, now(), now())",
+            (worker,),
+        )

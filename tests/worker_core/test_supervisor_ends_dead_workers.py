@@ -5,63 +5,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import psycopg
 import pytest
 
-from tests.worker_core.helpers import TASKS, config, job, scalar, state, wait_for
+from tests.worker_core.helpers import TASKS, config, in_thread, job, running_as, scalar, state, wait_for
 from worker_core import db, enqueue
 from worker_core.supervisor import Supervisor, end_dead_worker
-
-
-def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    """``fn()`` in a daemon thread: its result, or the exception it raised, lands in the list."""
-    out: list[Any] = []
-
-    def main() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:
-            out.append(e)
-
-    t = threading.Thread(target=main, daemon=True)
-    t.start()
-    return t, out
-
-
-@pytest.fixture
-def locker(dsn: str) -> Iterator[Callable[[str], None]]:
-    """``locker("job_queue")``: an ACCESS EXCLUSIVE lock on the table (a DBA's LOCK TABLE, a VACUUM FULL) held
-    in an open transaction until the test releases it (``locker("")``) or ends."""
-    conn = psycopg.connect(dsn)
-
-    def lock(table: str) -> None:
-        conn.rollback()
-        if table:
-            conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
-
-    yield lock
-    conn.close()
-
-
-def running_as(dsn: str, job_id: uuid.UUID, worker: str) -> None:
-    with db.connect(dsn, autocommit=True) as c:
-        c.execute(
-            "UPDATE job_queue SET state = 'running', attempts = 1, locked_by = %s,"
-            " locked_until = now() + interval '1 hour' WHERE id = %s",
-            (worker, job_id),
-        )
-        c.execute(
-            "INSERT INTO workers (id, host, pid, concurrency, in_flight, started_at, last_heartbeat_at)"
-            " VALUES (%s, 'h', 1, 1, 1, now(), now())",
-            (worker,),
-        )
-
 
 # --------------------------------------------------------------------- ending a dead worker, bounded
 
