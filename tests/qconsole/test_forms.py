@@ -11,12 +11,11 @@ from textual import events
 from textual.widgets import Input, Static, TextArea
 
 from qconsole.screens.job_detail import JobDetailScreen
-from qconsole.screens.limit import LimitScreen
 from qconsole.screens.overview import OverviewScreen
 from qconsole.screens.payload_fix import PayloadFixScreen
-from qconsole.widgets.table import LiveTable
 from tests.qconsole.pilot import run_async, settle, until
-from tests.qconsole.test_pilot import console, notes, overview_line, screen_text
+from tests.qconsole.test_limits_console import detail_line, open_limit_form
+from tests.qconsole.test_pilot import console, notes, screen_text
 from worker_core import db, ops, stats
 from worker_core.models import JobState
 
@@ -184,9 +183,7 @@ def test_the_limit_form_does_not_silently_undo_a_hold_set_while_it_was_open(
         async with app.run_test(size=WIDE) as pilot:
             await settle(pilot)
             assert isinstance(app.screen, OverviewScreen)
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, LimitScreen), what="the limit form")
-            form = app.screen
+            form = await open_limit_form(pilot)
             assert "Now: no limit." in str(form.query_one("#lim-now", Static).render())
             ops.set_limit(conn, "t.ok", 0, actor=ops.Actor("bob"), reason="INC-9 stop it now")
             await pilot.press("5", "enter")
@@ -205,8 +202,7 @@ def test_enter_twice_in_the_limit_form_applies_once(dsn: str, conn: db.Conn, mak
     async def scenario() -> None:
         async with app.run_test(size=WIDE) as pilot:
             await settle(pilot)
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, LimitScreen), what="the limit form")
+            await open_limit_form(pilot)
             burst(app, ("4", "4"), ("enter", "\r"), ("enter", "\r"))
             await settle(pilot)
             await until(pilot, lambda: "at most 4 running" in notes(app), what="the outcome")
@@ -234,9 +230,7 @@ def test_the_limit_form_at_80x24_shows_its_type_fields_and_errors_whatever_the_r
         app = console(dsn)
         async with app.run_test(size=size) as pilot:
             await settle(pilot)
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, LimitScreen), what="the limit form")
-            form = app.screen
+            form = await open_limit_form(pilot)
             form.query_one("#lim-queue", Input).value = "bill ing"
             await pilot.press("enter")  # refused: not a queue name
             await settle(pilot)
@@ -259,20 +253,8 @@ def test_the_overview_still_says_a_type_is_limited_when_the_limits_reason_is_lon
     make_job("t.ok", {}, queue="billing")
     reason = "INC-4242 the PDF service falls over above three concurrent renders, see the runbook"
     ops.set_limit(conn, "t.ok", 3, actor=ops.Actor("alice", "10.0.0.5"), reason=reason)
-    app = console(dsn)
-    seen: dict[str, str] = {}
-
-    async def scenario() -> None:
-        async with app.run_test(size=SIZE) as pilot:
-            await settle(pilot)
-            screen = app.screen
-            assert isinstance(screen, OverviewScreen)
-            screen.query_one(LiveTable).select_key("billing\x1ft.ok")
-            await settle(pilot)
-            seen["line"] = overview_line(app, "t.ok @ billing")
-
-    run_async(scenario())
-    assert "≤3 running" in seen["line"], seen["line"]
+    line = detail_line(dsn, SIZE)
+    assert "≤3 running" in line, line
 
 
 # ------------------------------------------------------------------------------------------------- the question
@@ -359,17 +341,5 @@ def test_the_overview_says_held_for_a_type_held_in_every_queue_with_a_queue_limi
     make_job("t.ok", {}, queue="billing")
     ops.set_limit(conn, "t.ok", 0, actor=ops.Actor("alice"), reason="INC-7")
     ops.set_limit(conn, "t.ok", 3, queue="billing", actor=ops.Actor("bob"), reason="pdf")
-    app = console(dsn)
-    seen: dict[str, str] = {}
-
-    async def scenario() -> None:
-        async with app.run_test(size=WIDE) as pilot:
-            await settle(pilot)
-            screen = app.screen
-            assert isinstance(screen, OverviewScreen)
-            screen.query_one(LiveTable).select_key("billing\x1ft.ok")
-            await settle(pilot)
-            seen["line"] = overview_line(app, "t.ok @ billing")
-
-    run_async(scenario())
-    assert "held" in seen["line"] and "alice" in seen["line"], seen["line"]
+    line = detail_line(dsn, WIDE)
+    assert "held" in line and "alice" in line, line

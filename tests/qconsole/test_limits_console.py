@@ -23,6 +23,34 @@ def limits(conn: db.Conn) -> list[tuple[str, str, int, str]]:
     return [(r["job_type"], r["queue"], r["max_running"], r["source"]) for r in stats.limits(conn)]
 
 
+async def open_limit_form(pilot: Any) -> LimitScreen:
+    """``l`` on the screen shown, and the limit form it opens."""
+    await pilot.press("l")
+    await until(pilot, lambda: isinstance(pilot.app.screen, LimitScreen), what="the limit form")
+    form = pilot.app.screen
+    assert isinstance(form, LimitScreen)
+    return form
+
+
+def detail_line(dsn: str, size: tuple[int, int], row: str = "billing\x1ft.ok") -> str:
+    """The overview's detail line of ``row`` (queue, unit separator, type) on a console of ``size``."""
+    app = console(dsn)
+    seen: dict[str, str] = {}
+
+    async def scenario() -> None:
+        async with app.run_test(size=size) as pilot:
+            await settle(pilot)
+            screen = app.screen
+            assert isinstance(screen, OverviewScreen)
+            screen.query_one(LiveTable).select_key(row)
+            await settle(pilot)
+            queue, job_type = row.split("\x1f")
+            seen["line"] = overview_line(app, f"{job_type} @ {queue}")
+
+    run_async(scenario())
+    return seen["line"]
+
+
 async def clear(pilot: Any, field: Input) -> None:
     field.focus()
     await pilot.pause()
@@ -45,9 +73,7 @@ def test_l_on_the_overview_lifts_a_held_type_and_says_who_held_it(dsn: str, conn
             await settle(pilot)
             line = overview_line(app, "t.ok @ billing")
             assert "⏸ held (limit 0, set by alice@10.0.0.5" in line and "ago: INC-7 double charges)" in line, line
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, LimitScreen), what="the limit form")
-            form = app.screen
+            form = await open_limit_form(pilot)
             said = str(form.query_one("#lim-now", Static).render())
             assert "≤0 in every queue (set by alice@10.0.0.5" in said and "INC-7 double charges" in said, said
             assert form.query_one("#lim-max", Input).value == "0"
@@ -75,9 +101,7 @@ def test_l_sets_a_limit_in_the_rows_queue_and_refuses_what_it_cannot_do(dsn: str
             await settle(pilot)
             screen = app.screen
             assert isinstance(screen, OverviewScreen)
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, LimitScreen), what="the limit form")
-            form = app.screen
+            form = await open_limit_form(pilot)
             assert "Now: no limit." in str(form.query_one("#lim-now", Static).render())
             await pilot.press("enter")  # empty: lift a limit there is none of
             await settle(pilot)
@@ -98,8 +122,7 @@ def test_l_sets_a_limit_in_the_rows_queue_and_refuses_what_it_cannot_do(dsn: str
             line = overview_line(app, "t.ok @ billing")
             assert "≤3 running (limit)" in line and "limit set by " in line, line
             # escape leaves it as it is
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, LimitScreen), what="the limit form")
+            await open_limit_form(pilot)
             assert app.screen.query_one("#lim-queue", Input).value == "billing"  # the row's queue's own limit
             await pilot.press("escape")
             await settle(pilot)
@@ -126,9 +149,7 @@ def test_l_on_the_job_types_will_not_lift_a_limit_its_task_declares(dsn: str, co
         async with app.run_test(size=WIDE) as pilot:
             await settle(pilot)
             await opened(pilot, "t", ContractsScreen)
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, LimitScreen), what="the limit form")
-            form = app.screen
+            form = await open_limit_form(pilot)
             assert "≤2 in every queue (declared by its @task)" in str(form.query_one("#lim-now", Static).render())
             await clear(pilot, form.query_one("#lim-max", Input))
             await pilot.press("enter")
@@ -170,9 +191,7 @@ def test_a_misspelt_queue_in_the_limit_form_is_refused_and_holds_nothing(
     async def scenario() -> None:
         async with app.run_test(size=WIDE) as pilot:
             await settle(pilot)
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, LimitScreen), what="the limit form")
-            form = app.screen
+            form = await open_limit_form(pilot)
             await pilot.press("0", "tab")
             await clear(pilot, form.query_one("#lim-queue", Input))
             await pilot.press(*"biling", "enter")
