@@ -25,7 +25,7 @@ from worker_core.models import (
     to_jsonable,
 )
 from worker_core.ops import GROUPS_KEY, WORKER_ACTIONS
-from worker_core.stats import LOST_AFTER_SECONDS, JobHolders, expired_lease_fate, unserved
+from worker_core.stats import JobHolders, expired_lease_fate, unserved
 
 #: piped output is for scripts and logs: never squeeze it to 80 columns
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
@@ -151,7 +151,7 @@ def job(j: Job, holders: JobHolders, as_json: bool) -> None:
         elif w.stopped_at is not None:
             said = f"stopped at {ts(w.stopped_at)}"
         elif w.lost:
-            since = ts(w.last_heartbeat_at + dt.timedelta(seconds=LOST_AFTER_SECONDS))
+            since = ts(w.lost_since)
             said = f"LOST since {since} (last heartbeat {duration((now - w.last_heartbeat_at).total_seconds())} ago)"
         else:
             said = f"live: heartbeat {duration((now - w.last_heartbeat_at).total_seconds())} ago"

@@ -221,7 +221,7 @@ class TypeStats:
     #: over the window, per job started: queue latency (due to start) and handler duration, in seconds
     latency_avg_seconds: float = 0.0
     duration_avg_seconds: float = 0.0
-    #: the live workers (heartbeat within stats.LOST_AFTER_SECONDS, not stopped) that claim this type in this
+    #: the live workers (not lost, not stopped: stats.is_lost) that claim this type in this
     #: queue (it is in their tasks, the queue in their queues or they take every queue); None: not known.
     #: 0 with jobs waiting: nothing will run them (stats.unserved)
     live_workers: int | None = None
@@ -253,6 +253,23 @@ class QueueInfo:
     reason: str | None = None
 
 
+#: a worker whose heartbeat is older than this (and that did not say goodbye) is lost, whatever its interval
+LOST_AFTER_SECONDS = 30.0
+#: ... and one whose heartbeat is older than this many of its own intervals: one beat may fail, or give up on a
+#: lock (worker.BEAT_LOCK_WAIT_MAX_SECONDS), while the worker lives
+LOST_AFTER_BEATS = 3
+
+
+def lost_after_seconds(heartbeat_interval_seconds: float | None) -> float:
+    """How long a worker's row may go unbeaten before the console and the CLI say it is lost: three of its
+    heartbeat intervals, LOST_AFTER_SECONDS at least (a worker of an earlier version, whose row does not say
+    its interval: LOST_AFTER_SECONDS). Judged against the worker's own interval: at a fixed 30 s, a worker
+    beating every 30 s read as lost between every two beats."""
+    if not heartbeat_interval_seconds:
+        return LOST_AFTER_SECONDS
+    return max(LOST_AFTER_SECONDS, LOST_AFTER_BEATS * float(heartbeat_interval_seconds))
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     id: str
@@ -265,8 +282,21 @@ class WorkerInfo:
     started_at: dt.datetime
     last_heartbeat_at: dt.datetime
     stopped_at: dt.datetime | None
-    #: the heartbeat stopped for longer than the lost threshold, and the worker did not say goodbye
+    #: how often it beats its row (migration 0017); None: a worker of an earlier version
+    heartbeat_interval_seconds: float | None = None
+    #: the heartbeat stopped for longer than its lost threshold (lost_after_seconds), and the worker did not
+    #: say goodbye
     lost: bool = False
+
+    @property
+    def lost_after_seconds(self) -> float:
+        """How long its row may go unbeaten before it reads as lost (lost_after_seconds)."""
+        return lost_after_seconds(self.heartbeat_interval_seconds)
+
+    @property
+    def lost_since(self) -> dt.datetime:
+        """When it became lost, or will if it is not beaten before."""
+        return self.last_heartbeat_at + dt.timedelta(seconds=self.lost_after_seconds)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,10 @@ from worker_core.models import (
     TypeStats,
     WorkerInfo,
 )
+
+# the workers' rule (is_lost): here with the rest of what the console and the CLI are shown
+from worker_core.models import LOST_AFTER_SECONDS as LOST_AFTER_SECONDS
+from worker_core.models import lost_after_seconds as lost_after_seconds
 from worker_core.sql import queries
 
 #: rates are averaged over this window
@@ -39,8 +43,6 @@ WINDOW_MINUTES = 15
 #: the attempts chart counts the newest this many finished jobs of its window
 ATTEMPTS_SAMPLE = 50_000
 SERIES_MINUTES = 60
-#: a worker whose heartbeat is older than this (and that did not say goodbye) is lost
-LOST_AFTER_SECONDS = 30.0
 
 
 def _ago(now: dt.datetime, minutes: int) -> dt.datetime:
@@ -189,17 +191,31 @@ def series(
     return dict(out)
 
 
-def is_lost(stopped_at: dt.datetime | None, last_heartbeat_at: dt.datetime, now: dt.datetime) -> bool:
+def is_lost(
+    stopped_at: dt.datetime | None,
+    last_heartbeat_at: dt.datetime,
+    now: dt.datetime,
+    heartbeat_interval_seconds: float | None = None,
+) -> bool:
     """The workers screen's rule, which the job detail uses too: a worker that did not say goodbye and whose
-    heartbeat is older than LOST_AFTER_SECONDS is lost."""
-    return stopped_at is None and (now - last_heartbeat_at).total_seconds() > LOST_AFTER_SECONDS
+    heartbeat is older than lost_after_seconds (three of its intervals, LOST_AFTER_SECONDS at least) is
+    lost."""
+    age = (now - last_heartbeat_at).total_seconds()
+    return stopped_at is None and age > lost_after_seconds(heartbeat_interval_seconds)
+
+
+def _worker_info(row: Mapping[str, Any], now: dt.datetime) -> WorkerInfo:
+    """A workers row (workers_list, job_lease_holder) as the workers screen judges it."""
+    fields = {k: row[k] for k in WorkerInfo.__dataclass_fields__ if k != "lost"}
+    lost = is_lost(row["stopped_at"], row["last_heartbeat_at"], now, row["heartbeat_interval_seconds"])
+    return WorkerInfo(**fields, lost=lost)
 
 
 def workers(conn: Conn, clock: Clock = SYSTEM_CLOCK) -> list[WorkerInfo]:
     now = now_on(conn, clock)
     out = []
     for r in conn.execute(queries["workers_list"], {"since": now - dt.timedelta(minutes=10)}):
-        out.append(WorkerInfo(**r, lost=is_lost(r["stopped_at"], r["last_heartbeat_at"], now)))
+        out.append(_worker_info(r, now))
     return out
 
 
@@ -306,8 +322,7 @@ def job_holders(conn: Conn, job: Job, clock: Clock = SYSTEM_CLOCK) -> JobHolders
     row = conn.execute(queries["job_lease_holder"], {"id": job.id}).fetchone() or {}
     worker = None
     if job.state is JobState.RUNNING and row.get("id") is not None:
-        fields = {k: row[k] for k in WorkerInfo.__dataclass_fields__ if k != "lost"}
-        worker = WorkerInfo(**fields, lost=is_lost(row["stopped_at"], row["last_heartbeat_at"], now))
+        worker = _worker_info(row, now)
     return JobHolders(
         at=now,
         lock=job_lock(conn, job.id),

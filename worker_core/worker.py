@@ -59,7 +59,6 @@ from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry
 from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, WORKER_SIGNALS, SignalRelay, relay_signals
 from worker_core.sql import queries
-from worker_core.stats import LOST_AFTER_SECONDS
 
 if TYPE_CHECKING:
     from worker_core.prometheus import WorkerExporter
@@ -100,11 +99,19 @@ BEAT_LOCK_WAIT_MAX_SECONDS = 5.0
 #: how long a stopping worker keeps trying to record its stop (workers.stopped_at) that failed (a lock on
 #: workers, the connection lost): not recorded, it reads as lost until its row is pruned, a day later
 STOP_RECORD_SECONDS = 5.0
-#: the longest heartbeat_interval: a worker whose row is not beaten for LOST_AFTER_SECONDS (30 s) reads as lost in
-#: the console and ``qconsole workers``, and one beat may fail or give up on a lock (BEAT_LOCK_WAIT_MAX_SECONDS
-#: for each of its parts) while the worker lives: two intervals and a beat's waits must fit in it. At 15 s, one
-#: missed beat made a live worker read as lost; at 30 s, it did between every two beats
-MAX_HEARTBEAT_INTERVAL_SECONDS = LOST_AFTER_SECONDS / 3
+#: the longest heartbeat_interval. A worker reads as lost after three of its own intervals (its row says its
+#: interval: stats.lost_after_seconds), so a long one only delays that verdict, and its metrics reach the console
+#: once an interval: past a minute, the console would say a dead worker's jobs are in good hands for minutes
+MAX_HEARTBEAT_INTERVAL_SECONDS = 60.0
+#: a job's lease is extended at least this many times over its visibility timeout, whatever the interval: a
+#: lease shorter than the interval (a timeout of 1 s has a lease of 6 s; an interval of up to a minute) ran out
+#: between two beats of a live worker, and an idle worker took the job and ran it again beside it
+BEATS_PER_LEASE = 3
+#: how often the heartbeat looks whether a beat is due: a job claimed with a short lease gets its first beat
+#: within a third of its lease and this much, not at the next interval
+HEARTBEAT_TICK_SECONDS = 0.5
+#: the shortest wait between two beats, however short a lease in flight
+MIN_BEAT_SECONDS = 0.5
 CLAIM_RUN = queries["claim_run"].encode()
 PLACEHOLDER_RE = re.compile(r"%\((\w+)\)s")
 
@@ -181,10 +188,14 @@ class WorkerConfig:
         taken as the tuple it would be."""
         self.task_modules = _names("task_modules", self.task_modules, "module", '("myapp.tasks",)')
         beat = self.heartbeat_interval
-        # (MAX_HEARTBEAT_INTERVAL_SECONDS is refused by qconsole worker --heartbeat; here, only an interval that
-        # is no interval: 0 beat without pause)
+        # 0 beat without pause (Event.wait returns at once), and NaN compares false with everything
         if not (isinstance(beat, (int, float)) and beat > 0):
             raise ValueError(f"heartbeat_interval={beat!r}: a worker beats every so many seconds, more than 0")
+        if beat > MAX_HEARTBEAT_INTERVAL_SECONDS:
+            raise ValueError(
+                f"heartbeat_interval={beat!r}: {MAX_HEARTBEAT_INTERVAL_SECONDS:g} s at most: a worker reads as lost"
+                " only after three intervals, and its metrics reach the console once an interval"
+            )
         if self.queues is not None:
             self.queues = _names("queues", self.queues, "queue", '("billing",)')
             bad = next((q for q in self.queues if not QUEUE_RE.match(q)), None)
@@ -1119,15 +1130,32 @@ class Worker:
                 backoff = min(backoff * 2, 10.0)
 
     def _heartbeat_main(self) -> None:
-        interval = self.config.heartbeat_interval
-        wait = interval
-        while not self._halted.wait(wait):
+        last = time.monotonic()
+        while True:
+            # looked at again each tick: a job claimed meanwhile with a short lease brings the beat forward
+            due = last + self.beat_period()
+            if self._halted.wait(min(HEARTBEAT_TICK_SECONDS, max(0.0, due - time.monotonic()))):
+                return
+            if time.monotonic() < due:
+                continue
             began = time.monotonic()
             held_up = self._heartbeat_once()
             # a beat that gave up on a lock counts that wait towards its interval: under a long table lock its
             # jobs' lease update is queued for the lock again at once (granted with the claims' when it is
             # released), and the worker's row is still beaten about once an interval
-            wait = max(0.0, interval - (time.monotonic() - began)) if held_up else interval
+            last = began if held_up else time.monotonic()
+
+    def beat_period(self) -> float:
+        """The time between two beats: the heartbeat interval, or a third of the shortest lease in flight
+        (BEATS_PER_LEASE) when that is shorter, MIN_BEAT_SECONDS at least. The leases of the jobs waiting for
+        the completer count too: the beat extends theirs as well."""
+        interval = self.config.heartbeat_interval
+        leases = [ex.job["visibility_timeout_seconds"] for ex in list(self._in_flight.values())]
+        leases += [ex.job["visibility_timeout_seconds"] for ex in self.completer.waiting()]
+        shortest = min((float(v) for v in leases if v), default=None)
+        if shortest is None or shortest >= interval * BEATS_PER_LEASE:
+            return interval
+        return max(shortest / BEATS_PER_LEASE, MIN_BEAT_SECONDS)
 
     def _heartbeat_once(self) -> bool:
         """One beat; True if a statement of it gave up waiting for a lock (see _flush_and_beat)."""
@@ -1245,6 +1273,7 @@ class Worker:
                         "tasks": self.registry.job_types(),
                         "concurrency": self.config.concurrency,
                         "in_flight": len(in_flight),
+                        "heartbeat_interval": self.config.heartbeat_interval,
                     },
                 ).fetchone()
                 if beat is not None:

@@ -20,7 +20,7 @@ from qconsole.screens.base import ConsoleScreen
 from qconsole.screens.workers import db_state
 from qconsole.widgets import fmt
 from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, ActionResult, Job, JobState
-from worker_core.stats import LOST_AFTER_SECONDS, JobHolders, expired_lease_fate, tightest_limit
+from worker_core.stats import JobHolders, expired_lease_fate, tightest_limit
 
 #: what the detail shows of a job, at most (the CLI's `qconsole job ID` shows it all)
 MAX_PAYLOAD_LINES = 200
@@ -88,7 +88,7 @@ def worker_said(job: Job, holders: JobHolders) -> str:
     if w.stopped_at is not None:
         return f"{job.locked_by}, {db_state(w)} {fmt.ago(w.stopped_at, now)}"
     if w.lost:
-        since = w.last_heartbeat_at + dt.timedelta(seconds=LOST_AFTER_SECONDS)
+        since = w.lost_since
         beat = fmt.ago(w.last_heartbeat_at, now)
         return f"{job.locked_by}, {db_state(w)} since {fmt.hms(since)} UTC (last heartbeat {beat})"
     return f"{job.locked_by}, {db_state(w)}"

@@ -594,10 +594,13 @@ SELECT lock_key, token, job_id, expires_at FROM resource_locks WHERE lock_key = 
 ------------------------------------------------------------------------------------------------------
 
 -- name: worker_upsert
-INSERT INTO workers (id, host, pid, queues, tasks, concurrency, in_flight, started_at, last_heartbeat_at)
-VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(tasks)s, %(concurrency)s, %(in_flight)s, %(now)s, %(now)s)
+INSERT INTO workers (id, host, pid, queues, tasks, concurrency, in_flight, started_at, last_heartbeat_at,
+                     heartbeat_interval_seconds)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(tasks)s, %(concurrency)s, %(in_flight)s, %(now)s, %(now)s,
+        %(heartbeat_interval)s)
 ON CONFLICT (id) DO UPDATE SET
-    in_flight = EXCLUDED.in_flight, last_heartbeat_at = EXCLUDED.last_heartbeat_at, stopped_at = NULL
+    in_flight = EXCLUDED.in_flight, last_heartbeat_at = EXCLUDED.last_heartbeat_at, stopped_at = NULL,
+    heartbeat_interval_seconds = EXCLUDED.heartbeat_interval_seconds
 RETURNING clock_timestamp() AS db_now;  -- the server's clock, to compare the worker's with (Worker._check_clock)
 
 -- name: workers_of_process
@@ -798,7 +801,8 @@ ORDER BY q.name;
 -- name: workers_list
 -- The running ones first (live or lost), by host and pid; then those stopped in the last minutes, the
 -- newest stop first: by host and pid, a live worker sat below ten stopped ones, out of sight at 80x24.
-SELECT id, host, pid, queues, tasks, concurrency, in_flight, started_at, last_heartbeat_at, stopped_at
+SELECT id, host, pid, queues, tasks, concurrency, in_flight, started_at, last_heartbeat_at, stopped_at,
+       heartbeat_interval_seconds
 FROM workers
 WHERE stopped_at IS NULL OR stopped_at > %(since)s
 ORDER BY stopped_at IS NOT NULL, stopped_at DESC, host, pid, id;
@@ -822,7 +826,7 @@ WHERE l.lock_key = %(key)s;
 -- The job detail: the worker a running job's locked_by names (a primary-key lookup), judged as workers_list's
 -- rows are; and whether the job is a suspect, which only claim_solo takes (one at a time, to run alone).
 SELECT j.suspect, j.ran_solo, w.id, w.host, w.pid, w.queues, w.tasks, w.concurrency, w.in_flight, w.started_at,
-       w.last_heartbeat_at, w.stopped_at
+       w.last_heartbeat_at, w.stopped_at, w.heartbeat_interval_seconds
 FROM job_queue j
 LEFT JOIN workers w ON w.id = j.locked_by
 WHERE j.id = %(id)s;
