@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rich.cells import cell_len
 from rich.style import Style
 from rich.text import Text
 from textual.binding import Binding
 from textual.widgets import DataTable
+from textual.widgets.data_table import Column, ColumnKey
 
 from qconsole.widgets import fmt
 
@@ -19,6 +21,20 @@ def cell(value: Any, *, right: bool = False, style: str | Style = "") -> Text:
     if right:
         text.justify = "right"
     return text
+
+
+def _same_cell(a: Any, b: Any) -> bool:
+    """Whether a cell shows the same: Text's == compares the text and its spans, not its style or justification
+    (a count that turned to a warning, the same number, would have kept its plain style)."""
+    if isinstance(a, Text) and isinstance(b, Text):
+        return a.plain == b.plain and a.style == b.style and a.justify == b.justify and a.spans == b.spans
+    return type(a) is type(b) and bool(a == b)
+
+
+def _width(value: Any) -> int:
+    """The cells a value takes in a row: its longest line (a cell is one line high)."""
+    text = value.plain if isinstance(value, Text) else str(value)
+    return max(cell_len(line) for line in text.split("\n"))
 
 
 class LiveTable(DataTable[Any]):
@@ -47,6 +63,8 @@ class LiveTable(DataTable[Any]):
         self._column_spec = list(columns)
         #: what the rows show (set_rows)
         self._shows: Any = None
+        #: the cells of each row shown, by key, in the order shown (set_rows)
+        self._cells: dict[str, list[Any]] = {}
 
     def on_mount(self) -> None:
         for key, label, width in self._column_spec:
@@ -66,16 +84,22 @@ class LiveTable(DataTable[Any]):
         """Replace the rows; the cursor stays on its row's key, or, where that row is gone (another operator
         acted on it), at the same place: not at the top, where the next ``enter`` would open a row nobody
         was looking at. ``shows`` says what the rows are (a filter): when it changes, the list is another
-        one, and the cursor goes to its top, not to the place it had in the old one."""
+        one, and the cursor goes to its top, not to the place it had in the old one. The same rows in the
+        same order are updated in place (_update_in_place)."""
+        new = [(key, list(cells)) for key, cells in rows]
         same_list = shows == self._shows
         self._shows = shows
+        if same_list and self._update_in_place(new):
+            return
         keep = self.cursor_key if same_list else None
         old_index = self.cursor_row if same_list else 0
         scroll_y = self.scroll_y if same_list else 0
         self.clear()
+        self._fit_columns([cells for _, cells in new])
         index = None
-        for i, (key, cells) in enumerate(rows):
+        for i, (key, cells) in enumerate(new):
             self.add_row(*cells, key=key)
+            self._cells[key] = cells
             if key == keep:
                 index = i
         if index is None:
@@ -83,6 +107,48 @@ class LiveTable(DataTable[Any]):
         if self.row_count:
             self.move_cursor(row=index, animate=False, scroll=False)
             self.scroll_to(y=scroll_y, animate=False)
+
+    def _update_in_place(self, rows: list[tuple[str, list[Any]]]) -> bool:
+        """The same rows in the same order: only the cells that changed are updated, and the cursor and the
+        scroll stay as they are. Clearing the table and adding every row again cost the UI thread ~1 s a
+        refresh at 5,000 rows (an overview of that many queue and type pairs), reading no key meanwhile
+        (bench/console_table.py). False, with nothing changed, for other rows, another order, or a cell wider
+        than its column has been: the table is rebuilt then, its columns measured first (_fit_columns)."""
+        n = len(self._column_spec)
+        shown = [(k, len(c)) for k, c in self._cells.items()]
+        if [(k, len(c)) for k, c in rows] != shown or any(length != n for _, length in shown):
+            return False
+        changed = [
+            (key, i, after)
+            for key, cells in rows
+            for i, (before, after) in enumerate(zip(self._cells[key], cells, strict=True))
+            if not _same_cell(before, after)
+        ]
+        auto = self._auto_columns()
+        if any(i in auto and _width(after) > auto[i].content_width for _, i, after in changed):
+            return False
+        for key, i, after in changed:
+            self.update_cell(key, self._column_spec[i][0], after)
+            self._cells[key][i] = after
+        return True
+
+    def _auto_columns(self) -> dict[int, Column]:
+        """The columns sized to their content (no width given), by position."""
+        return {i: self.columns[ColumnKey(key)] for i, (key, _, width) in enumerate(self._column_spec) if width is None}
+
+    def _fit_columns(self, rows: list[list[Any]]) -> None:
+        """The content-sized columns widened now to their widest cell, before anything is drawn. The DataTable
+        measures them when it is next idle, after a paint whose lines it keeps (its caches do not know the
+        widths): a table drawn with its header's widths kept them until its next change. Widths only grow,
+        as the DataTable's do: a column does not jump back and forth as its values change length."""
+        for i, column in self._auto_columns().items():
+            widest = max((_width(cells[i]) for cells in rows if i < len(cells)), default=0)
+            column.content_width = max(column.content_width, widest)
+
+    def clear(self, columns: bool = False) -> LiveTable:
+        self._cells = {}
+        super().clear(columns)
+        return self
 
     def select_key(self, key: str) -> None:
         """Put the cursor on the row with this key, if there is one."""
