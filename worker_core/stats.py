@@ -31,6 +31,7 @@ from worker_core.models import (
     TypeContract,
     TypeStats,
     WorkerInfo,
+    parse_timestamp,
 )
 
 # the workers' rule (is_lost): here with the rest of what the console and the CLI are shown
@@ -204,18 +205,11 @@ def is_lost(
     return stopped_at is None and age > lost_after_seconds(heartbeat_interval_seconds)
 
 
-def _worker_info(row: Mapping[str, Any], now: dt.datetime) -> WorkerInfo:
-    """A workers row (workers_list, job_lease_holder) as the workers screen judges it."""
-    fields = {k: row[k] for k in WorkerInfo.__dataclass_fields__ if k != "lost"}
-    lost = is_lost(row["stopped_at"], row["last_heartbeat_at"], now, row["heartbeat_interval_seconds"])
-    return WorkerInfo(**fields, lost=lost)
-
-
 def workers(conn: Conn, clock: Clock = SYSTEM_CLOCK) -> list[WorkerInfo]:
     now = now_on(conn, clock)
     out = []
     for r in conn.execute(queries["workers_list"], {"since": now - dt.timedelta(minutes=10)}):
-        out.append(_worker_info(r, now))
+        out.append(_worker(r, now))
     return out
 
 
@@ -292,6 +286,9 @@ class JobHolders:
     suspect: bool = False
     #: its current attempt runs alone (claim_solo): a lease lost now counts towards the poison-pill rule
     ran_solo: bool = False
+    #: why a waiting job has not started, or a running one's expired lease is not taken back (job_waiting); None
+    #: for any other job
+    waiting: JobWaiting | None = None
 
     @property
     def worker_state(self) -> str | None:
@@ -305,8 +302,9 @@ def expired_lease_fate(job: Job, holders: JobHolders) -> str | None:
     """What the next claim does with a running job whose lease expired (None: not running, or its lease is
     live). Only claim_solo takes an expired lease, one job per idle worker at a time: ``cancelled`` (a kill was
     requested), ``dead_lettered`` without running it again (it ran alone and has no attempts left: a poison
-    pill), else ``run_alone`` (one more attempt, alone: a suspect). A paused queue, or a limit of 0 on its
-    type, holds the last two until it is resumed or raised."""
+    pill), else ``run_alone`` (one more attempt, alone: a suspect). A paused queue, or a limit on its type with no
+    room (its live leases as many as it allows: a limit of 0 always), holds ``run_alone`` back until it is resumed
+    or there is room (JobWaiting.lease_held_by); a kill or a poison pill ends in a paused queue too (claim_solo)."""
     if job.state is not JobState.RUNNING or job.locked_until is None or job.locked_until >= holders.at:
         return None
     if job.cancel_requested:
@@ -316,20 +314,152 @@ def expired_lease_fate(job: Job, holders: JobHolders) -> str | None:
     return "run_alone"
 
 
+def _worker(row: Mapping[str, Any], now: dt.datetime) -> WorkerInfo:
+    """A workers row (its times as datetimes, or as a jsonb object writes them) judged as workers() judges it."""
+    fields = {k: row[k] for k in WorkerInfo.__dataclass_fields__ if k != "lost"}
+    for k in ("started_at", "last_heartbeat_at", "stopped_at"):
+        if isinstance(fields[k], str):
+            fields[k] = parse_timestamp(fields[k])
+    lost = is_lost(fields["stopped_at"], fields["last_heartbeat_at"], now, fields["heartbeat_interval_seconds"])
+    return WorkerInfo(**fields, lost=lost)
+
+
 def job_holders(conn: Conn, job: Job, clock: Clock = SYSTEM_CLOCK) -> JobHolders:
-    """What the job detail shows beside ``job``: its own lock lease, who holds its lock_key, its worker."""
+    """What the job detail shows beside ``job``: its own lock lease, who holds its lock_key, its worker; and for a
+    job waiting, or running on an expired lease, why it is not running (job_waiting: one statement more)."""
     now = now_on(conn, clock)
     row = conn.execute(queries["job_lease_holder"], {"id": job.id}).fetchone() or {}
     worker = None
     if job.state is JobState.RUNNING and row.get("id") is not None:
-        worker = _worker_info(row, now)
+        worker = _worker(row, now)
+    suspect = bool(row.get("suspect"))
+    lock_holder = lock_key_holder(conn, job, now)
+    expired = job.state is JobState.RUNNING and job.locked_until is not None and job.locked_until < now
     return JobHolders(
         at=now,
         lock=job_lock(conn, job.id),
-        lock_holder=lock_key_holder(conn, job, now),
+        lock_holder=lock_holder,
         worker=worker,
-        suspect=bool(row.get("suspect")),
+        suspect=suspect,
         ran_solo=bool(row.get("ran_solo")),
+        waiting=(
+            job_waiting(conn, job, now, suspect=suspect, lock_holder=lock_holder)
+            if job.state in WAITING_STATES or expired
+            else None
+        ),
+    )
+
+
+#: job_waiting counts at most this many jobs ahead of a waiting one ("more than 10,000 ahead")...
+AHEAD_CAP = 10_000
+#: ...among at most this many waiting jobs of every queue, in the claim order (job_queue_ready_idx holds no queue)
+AHEAD_SCAN = 50_000
+#: why a job waits (JobWaiting.reasons), in the order an operator needs them: not due yet; its queue paused; its type
+#: at a concurrency limit; its lock_key held by another (lock_key_holder: a worker that claims it gives it back, "lock
+#: contention"); no live worker takes it; else the jobs ahead of it in its queue.
+WAIT_REASONS = ("due_later", "queue_paused", "type_limit", "lock_key", "no_live_worker", "in_line")
+
+
+@dataclass(frozen=True)
+class JobWaiting:
+    """Why ``job`` has not started (job_waiting), judged at ``at`` as the claims judge it."""
+
+    at: dt.datetime
+    #: when it is due, if later than ``at`` (a job enqueued for later, a retry in its backoff); None: due now
+    due_at: dt.datetime | None
+    #: its queue, if paused: ``queue``, ``changed_by`` (who paused it), ``changed_at``, ``reason`` (its audit entry's)
+    paused: dict[str, Any] | None
+    #: the limits on its type that apply in its queue (its queue's own and its every-queue one, as limits_list has
+    #: them), each with ``running``: its type's running jobs the limit counts (in its queue, or in all), as
+    #: claim_limited counts them, and ``running_live``: those with a live lease, as claim_solo counts them
+    limits: list[dict[str, Any]]
+    #: the workers not stopped that claim its type in its queue (claims), live or lost (is_lost)
+    live_workers: list[WorkerInfo]
+    lost_workers: list[WorkerInfo]
+    #: the jobs of its queue due before it in the claim order (priority, then due time, then id), at most AHEAD_CAP
+    #: + 1; None when not counted (it is not due, or a suspect, which claim_solo takes in an order of its own)
+    ahead: int | None = None
+    #: ``ahead`` is a floor: the walk stopped after AHEAD_SCAN waiting jobs of every queue, or past AHEAD_CAP
+    ahead_more: bool = False
+    #: its lock_key is held now by another job, or a lease of no job (lock_key_holder)
+    lock_held: bool = False
+
+    @property
+    def full_limits(self) -> list[dict[str, Any]]:
+        """The limits with no room left for a waiting job of its type: as many running as the limit (0 holds it)."""
+        return [r for r in self.limits if r["running"] >= r["max_running"]]
+
+    @property
+    def lease_held_by(self) -> list[str]:
+        """What keeps a running job's expired lease from being taken back (claim_solo skips it): ``queue_paused``,
+        ``type_limit`` (as many live leases of its type as a limit allows: a limit of 0 always). A kill requested
+        or a poison pill ends anyway (expired_lease_fate)."""
+        held = ["queue_paused"] if self.paused else []
+        if any(r["running_live"] >= r["max_running"] for r in self.limits):
+            held.append("type_limit")
+        return held
+
+    @property
+    def reasons(self) -> list[str]:
+        """Of WAIT_REASONS, those that hold the job back, in that order; ``in_line`` only when nothing else does."""
+        found = [
+            name
+            for name, holds in (
+                ("due_later", self.due_at is not None),
+                ("queue_paused", self.paused is not None),
+                ("type_limit", bool(self.full_limits)),
+                ("lock_key", self.lock_held),
+                ("no_live_worker", not self.live_workers),
+            )
+            if holds
+        ]
+        return found or (["in_line"] if self.ahead is not None else [])
+
+
+def job_waiting(
+    conn: Conn, job: Job, now: dt.datetime, *, suspect: bool = False, lock_holder: Mapping[str, Any] | None = None
+) -> JobWaiting:
+    """Why ``job`` (waiting, or running on an expired lease) is not running at ``now``: one statement (job_waiting),
+    bounded (the jobs ahead of it: AHEAD_SCAN index entries at most)."""
+    due = job.scheduled_at <= now
+    row = conn.execute(
+        queries["job_waiting"],
+        {
+            "job_type": job.job_type,
+            "queue": job.queue,
+            "now": now,
+            "count_ahead": job.state in WAITING_STATES and due and not suspect,
+            "priority": job.priority,
+            "scheduled_at": job.scheduled_at,
+            "id": job.id,
+            "scan": AHEAD_SCAN,
+        },
+    ).fetchone()
+    assert row is not None  # one row, whatever there is
+    workers_ = [w for w in (_worker(r, now) for r in row["workers"]) if claims(w, job.queue, job.job_type)]
+    paused = None
+    if row["paused"]:
+        paused = {"queue": job.queue, "changed_by": row["changed_by"], "changed_at": row["changed_at"],
+                  "reason": row["pause_reason"]}  # fmt: skip
+    ahead = None
+    more = False
+    if job.state in WAITING_STATES and due and not suspect:
+        ahead = min(int(row["ahead"]), AHEAD_CAP)
+        more = row["ahead"] > AHEAD_CAP or row["scanned"] >= AHEAD_SCAN
+    limits_ = [
+        {**r, "updated_at": parse_timestamp(r["updated_at"]) if isinstance(r["updated_at"], str) else r["updated_at"]}
+        for r in row["limits"]
+    ]
+    return JobWaiting(
+        at=now,
+        due_at=None if due else job.scheduled_at,
+        paused=paused,
+        limits=limits_,
+        live_workers=[w for w in workers_ if not w.lost],
+        lost_workers=[w for w in workers_ if w.lost],
+        ahead=ahead,
+        ahead_more=more,
+        lock_held=lock_holder is not None and lock_holder["held_by"] in ("another_job", "no_job"),
     )
 
 

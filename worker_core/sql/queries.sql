@@ -255,14 +255,17 @@ SELECT pg_advisory_xact_lock(hashtext('qconsole-limit:' || %(job_type)s || ':' |
 SELECT job_type, queue AS scope, max_running FROM concurrency_limits WHERE job_type = ANY(%(job_types)s)
 ORDER BY job_type, queue;
 
+-- name: fragment_limit_set_by
+-- Who set the concurrency_limits row `l` (an operator's): its audit entry, written in the same transaction at the
+-- same time (an index lookup on audit_log's time; a limit a @task declares has none).
+(SELECT a.os_user || coalesce('@' || a.ssh_client, '') FROM audit_log a
+ WHERE a.at = l.updated_at AND a.action = 'limit' AND a.detail ->> 'job_type' = l.job_type
+   AND a.detail ->> 'queue' = l.queue
+ ORDER BY a.id DESC LIMIT 1)
+
 -- name: limits_list
--- With who set an operator's limit: its audit entry, written in the same transaction at the same time (an index
--- lookup on audit_log's time; a limit a @task declares has none).
-SELECT l.job_type, l.queue, l.max_running, l.source, l.reason, l.updated_at,
-       (SELECT a.os_user || coalesce('@' || a.ssh_client, '') FROM audit_log a
-        WHERE a.at = l.updated_at AND a.action = 'limit' AND a.detail ->> 'job_type' = l.job_type
-          AND a.detail ->> 'queue' = l.queue
-        ORDER BY a.id DESC LIMIT 1) AS set_by
+-- With who set an operator's limit (fragment_limit_set_by).
+SELECT l.job_type, l.queue, l.max_running, l.source, l.reason, l.updated_at, {{limit_set_by}} AS set_by
 FROM concurrency_limits l
 ORDER BY l.job_type, l.queue;
 
@@ -788,13 +791,16 @@ FROM job_metrics_minute
 WHERE minute >= %(since)s
 ORDER BY minute;
 
+-- name: fragment_pause_reason
+-- The reason the operator gave for the last pause or resume of the queues row `q`: its audit entry, written in the
+-- same transaction at the same time (an index lookup on audit_log's time).
+(SELECT a.reason FROM audit_log a
+ WHERE a.at = q.changed_at AND a.queue = q.name AND a.action IN ('pause', 'resume')
+ ORDER BY a.id DESC LIMIT 1)
+
 -- name: queues_list
--- With the reason the operator gave for the last pause or resume: its audit entry, written in the same
--- transaction at the same time (an index lookup on audit_log's time).
-SELECT q.name, q.paused, q.changed_at, q.changed_by,
-       (SELECT a.reason FROM audit_log a
-        WHERE a.at = q.changed_at AND a.queue = q.name AND a.action IN ('pause', 'resume')
-        ORDER BY a.id DESC LIMIT 1) AS reason
+-- With the reason the operator gave for the last pause or resume (fragment_pause_reason).
+SELECT q.name, q.paused, q.changed_at, q.changed_by, {{pause_reason}} AS reason
 FROM queues q
 ORDER BY q.name;
 
@@ -830,6 +836,45 @@ SELECT j.suspect, j.ran_solo, w.id, w.host, w.pid, w.queues, w.tasks, w.concurre
 FROM job_queue j
 LEFT JOIN workers w ON w.id = j.locked_by
 WHERE j.id = %(id)s;
+
+-- name: job_waiting
+-- The job detail: why a waiting job has not started, or a running one's expired lease is not taken back
+-- (stats.job_waiting), in one statement. Its queue's pause (who, when, why); the limits on its type that apply in
+-- its queue, with the jobs they count: `running` as claim_limited counts them (for a waiting job), `running_live`
+-- with a live lease as fragment_full_limits does (for an expired lease); the workers not stopped that registered its
+-- type (stats.claims and stats.is_lost judge them); and, if `count_ahead`, the jobs before it in the claim order:
+-- job_queue_ready_idx walked from its head to this job, at most `scan` entries (the index holds no queue: a job in a
+-- small queue behind a million others would read them all), those of its queue due and not suspects counted.
+SELECT q.paused, q.changed_by, q.changed_at, {{pause_reason}} AS pause_reason,
+       (SELECT coalesce(jsonb_agg(jsonb_build_object(
+                   'job_type', l.job_type, 'queue', l.queue, 'max_running', l.max_running, 'source', l.source,
+                   'reason', l.reason, 'updated_at', l.updated_at, 'set_by', {{limit_set_by}},
+                   'running', r.running, 'running_live', r.running_live) ORDER BY l.queue), '[]')
+        FROM concurrency_limits l
+        CROSS JOIN LATERAL (
+            SELECT count(*) AS running, count(*) FILTER (WHERE j.locked_until >= %(now)s) AS running_live
+            FROM job_queue j
+            WHERE j.state = 'running' AND j.job_type = l.job_type AND (l.queue = '*' OR j.queue = l.queue)) r
+        WHERE l.job_type = %(job_type)s AND l.queue IN ('*', %(queue)s)) AS limits,
+       (SELECT coalesce(jsonb_agg(jsonb_build_object(
+                   'id', w.id, 'host', w.host, 'pid', w.pid, 'queues', w.queues, 'tasks', w.tasks,
+                   'concurrency', w.concurrency, 'in_flight', w.in_flight, 'started_at', w.started_at,
+                   'last_heartbeat_at', w.last_heartbeat_at, 'stopped_at', w.stopped_at,
+                   'heartbeat_interval_seconds', w.heartbeat_interval_seconds) ORDER BY w.id), '[]')
+        FROM workers w
+        WHERE w.stopped_at IS NULL AND %(job_type)s = ANY(w.tasks)) AS workers,
+       ahead.ahead, ahead.scanned
+FROM (SELECT 1) AS one
+LEFT JOIN queues q ON q.name = %(queue)s
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE a.queue = %(queue)s AND a.scheduled_at <= %(now)s AND NOT a.suspect) AS ahead,
+           count(*) AS scanned
+    FROM (SELECT j.queue, j.scheduled_at, j.suspect FROM job_queue j
+          WHERE j.state IN ('queued', 'retry_scheduled') AND %(count_ahead)s
+            AND (j.priority, j.scheduled_at, j.id) < (%(priority)s, %(scheduled_at)s, %(id)s)
+          ORDER BY j.priority, j.scheduled_at, j.id
+          LIMIT %(scan)s) a
+) AS ahead;
 
 -- name: dead_letter_groups
 -- The groups first, counted from job_queue_error_groups_idx (0013) in its order, the biggest `limit` of
