@@ -381,6 +381,9 @@ class JobWaiting:
     ahead: int | None = None
     #: ``ahead`` is a floor: the walk stopped after AHEAD_SCAN waiting jobs of every queue, or past AHEAD_CAP
     ahead_more: bool = False
+    #: of ``ahead``, the jobs of its type (a worker claims the types it registered, each type's limit apart: the
+    #: others in its queue are ahead of it only for a worker that takes them too)
+    ahead_of_type: int | None = None
     #: its lock_key is held now by another job, or a lease of no job (lock_key_holder)
     lock_held: bool = False
 
@@ -441,10 +444,10 @@ def job_waiting(
     if row["paused"]:
         paused = {"queue": job.queue, "changed_by": row["changed_by"], "changed_at": row["changed_at"],
                   "reason": row["pause_reason"]}  # fmt: skip
-    ahead = None
+    ahead = of_type = None
     more = False
     if job.state in WAITING_STATES and due and not suspect:
-        ahead = min(int(row["ahead"]), AHEAD_CAP)
+        ahead, of_type = min(int(row["ahead"]), AHEAD_CAP), min(int(row["ahead_of_type"]), AHEAD_CAP)
         more = row["ahead"] > AHEAD_CAP or row["scanned"] >= AHEAD_SCAN
     limits_ = [
         {**r, "updated_at": parse_timestamp(r["updated_at"]) if isinstance(r["updated_at"], str) else r["updated_at"]}
@@ -459,6 +462,7 @@ def job_waiting(
         lost_workers=[w for w in workers_ if w.lost],
         ahead=ahead,
         ahead_more=more,
+        ahead_of_type=of_type,
         lock_held=lock_holder is not None and lock_holder["held_by"] in ("another_job", "no_job"),
     )
 

@@ -11,6 +11,7 @@ import pytest
 
 from tests.worker_core.test_claim import VIS, at, claimers  # noqa: F401 (claimers: a fixture)
 from worker_core import FixedClock, db, enqueue, ops, stats
+from worker_core.registry import registry
 from worker_core.sql import queries
 
 NOW = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
@@ -136,6 +137,7 @@ def test_the_jobs_ahead_are_those_of_its_queue_due_before_it_in_the_claim_order(
     urgent = job(priority=-1)
     first, mine, behind = job(), job(), job()
     job(queue="mail", priority=-5)  # another queue
+    other_type = add(conn, "t.flaky", clock=FixedClock(early), priority=-1)  # ahead, of another type
     job(priority=-9, delay_seconds=3600)  # first in the index, not due
     suspect = job(priority=-2)
     conn.execute("UPDATE job_queue SET suspect = true WHERE id = %s", (suspect,))  # claim_solo's, not the claim's
@@ -143,15 +145,17 @@ def test_the_jobs_ahead_are_those_of_its_queue_due_before_it_in_the_claim_order(
     for jid, seconds in ((first, -1), (behind, 1)):
         conn.execute("UPDATE job_queue SET scheduled_at = %s WHERE id = %s", (early + dt.timedelta(0, seconds), jid))
     w = waiting(conn, mine)
-    assert (w.reasons, w.ahead, w.ahead_more) == (["in_line"], 2, False)  # urgent and first
-    assert (waiting(conn, urgent).ahead, waiting(conn, behind).ahead) == (0, 3)
+    assert (w.reasons, w.ahead, w.ahead_of_type, w.ahead_more) == (["in_line"], 3, 2, False)  # urgent and first
+    assert (waiting(conn, urgent).ahead, waiting(conn, behind).ahead) == (0, 4)
+    assert waiting(conn, other_type).ahead == 1  # urgent
     assert waiting(conn, suspect).ahead is None  # a suspect: only an idle worker takes it (claim_solo)
-    # the claim agrees: an idle worker takes the suspect alone (claim_solo), then the two ahead of it go first, and
-    # then it is next in line
-    claimer = claimers(queues=("default",))
+    # the claim agrees: an idle worker takes the suspect alone (claim_solo), then the two of its type ahead of it go
+    # first, and then it is next in line (for a worker that takes its type only)
+    claimer = claimers(queues=("default",), registry_=registry.subset(["t.ok"]))
     assert [r["id"] for r in claimer.claim(2)] == [suspect]
     assert [r["id"] for r in claimer.claim(2)] == [urgent, first]
-    assert waiting(conn, mine).ahead == 0
+    w = waiting(conn, mine)
+    assert (w.ahead, w.ahead_of_type) == (1, 0)
 
 
 def test_the_count_ahead_is_bounded_and_says_when_it_is_a_floor(conn: db.Conn, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -844,7 +844,8 @@ WHERE j.id = %(id)s;
 -- with a live lease as fragment_full_limits does (for an expired lease); the workers not stopped that registered its
 -- type (stats.claims and stats.is_lost judge them); and, if `count_ahead`, the jobs before it in the claim order:
 -- job_queue_ready_idx walked from its head to this job, at most `scan` entries (the index holds no queue: a job in a
--- small queue behind a million others would read them all), those of its queue due and not suspects counted.
+-- small queue behind a million others would read them all), those of its queue due and not suspects counted (and of
+-- them, those of its type).
 SELECT q.paused, q.changed_by, q.changed_at, {{pause_reason}} AS pause_reason,
        (SELECT coalesce(jsonb_agg(jsonb_build_object(
                    'job_type', l.job_type, 'queue', l.queue, 'max_running', l.max_running, 'source', l.source,
@@ -863,13 +864,15 @@ SELECT q.paused, q.changed_by, q.changed_at, {{pause_reason}} AS pause_reason,
                    'heartbeat_interval_seconds', w.heartbeat_interval_seconds) ORDER BY w.id), '[]')
         FROM workers w
         WHERE w.stopped_at IS NULL AND %(job_type)s = ANY(w.tasks)) AS workers,
-       ahead.ahead, ahead.scanned
+       ahead.ahead, ahead.ahead_of_type, ahead.scanned
 FROM (SELECT 1) AS one
 LEFT JOIN queues q ON q.name = %(queue)s
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE a.queue = %(queue)s AND a.scheduled_at <= %(now)s AND NOT a.suspect) AS ahead,
+           count(*) FILTER (WHERE a.queue = %(queue)s AND a.scheduled_at <= %(now)s AND NOT a.suspect
+                              AND a.job_type = %(job_type)s) AS ahead_of_type,
            count(*) AS scanned
-    FROM (SELECT j.queue, j.scheduled_at, j.suspect FROM job_queue j
+    FROM (SELECT j.queue, j.job_type, j.scheduled_at, j.suspect FROM job_queue j
           WHERE j.state IN ('queued', 'retry_scheduled') AND %(count_ahead)s
             AND (j.priority, j.scheduled_at, j.id) < (%(priority)s, %(scheduled_at)s, %(id)s)
           ORDER BY j.priority, j.scheduled_at, j.id
