@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from qconsole.widgets.fmt import duration, elapsed, printable
+from qconsole.widgets.fmt import PAUSED, ago, duration, elapsed, hms, printable, stamp
 from worker_core.models import (
     ActionResult,
     AuditEntry,
@@ -25,7 +25,13 @@ from worker_core.models import (
     to_jsonable,
 )
 from worker_core.ops import GROUPS_KEY, WORKER_ACTIONS
-from worker_core.stats import JobHolders, expired_lease_fate, unserved
+from worker_core.stats import (
+    AHEAD_CAP,
+    AHEAD_SCAN,
+    JobHolders,
+    expired_lease_fate,
+    unserved,
+)
 
 #: piped output is for scripts and logs: never squeeze it to 80 columns
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
@@ -97,9 +103,125 @@ def _jobs_table(rows: list[Job], now: dt.datetime | None = None) -> None:
     console.print(f"{len(rows)} job(s)")
 
 
+#: the marks the console's overview puts on a type no live worker runs in its queue, and on a paused queue
+NO_WORKER = "∅"
+#: lost workers named by id in a waiting job's "workers" line, at most (the workers screen lists them all)
+LOST_NAMED = 3
+
+
+def _at(t: dt.datetime, now: dt.datetime) -> str:
+    """A time near ``now`` as the console shows it (``14:03:12 UTC``), a farther one with its date."""
+    return f"{hms(t)} UTC" if abs((t - now).total_seconds()) < 12 * 3600 else stamp(t)
+
+
+def _set_by(r: dict[str, Any], now: dt.datetime) -> str:
+    """Who set a limit (stats.limits' row), when and why."""
+    who = "its @task" if r["source"] == "task" else (r.get("set_by") or "an operator")
+    when = f" {ago(r['updated_at'], now)}" if r.get("updated_at") and r["source"] != "task" else ""
+    return f"set by {who}{when}" + (f": {r['reason']}" if r.get("reason") else "")
+
+
+def _scope(queue: str) -> str:
+    return "every queue" if queue == "*" else f"queue {queue}"
+
+
+def waiting_said(j: Job, holders: JobHolders, lock: str | None = None) -> list[tuple[str, str]]:
+    """Why a waiting job has not started, the most pressing first (stats.JobWaiting.reasons), as (label, text) rows:
+    the job detail's and ``qconsole job``'s. ``lock``: the caller's own "lock" row (who holds its lock_key), put at its
+    place among them; [] for a job not waiting."""
+    w = holders.waiting
+    if w is None or j.state not in (JobState.QUEUED, JobState.RETRY_SCHEDULED):
+        return []
+    now = w.at
+    rows: list[tuple[str, str]] = []
+    if w.due_at is not None:
+        what = (
+            f"a retry, in its backoff after attempt {j.attempts} of {j.max_attempts} failed"
+            if j.state is JobState.RETRY_SCHEDULED
+            else "enqueued for later"
+        )
+        rows.append(("due", f"in {duration((w.due_at - now).total_seconds())} ({_at(w.due_at, now)}): {what}"))
+    if w.paused is not None:
+        p = w.paused
+        by = f"by {p['changed_by']} " if p["changed_by"] else ""
+        since = ago(p["changed_at"], now) if p["changed_at"] else "earlier"
+        why = f": {p['reason']}" if p["reason"] else ""
+        rows.append(("paused", f"{PAUSED} its queue {j.queue} is paused ({by}{since}{why}): no worker claims from it"
+                               f" until it is resumed (qconsole resume {j.queue})"))  # fmt: skip
+    for r in w.full_limits:
+        if r["max_running"] == 0:
+            said = (f"{PAUSED} its type is held by a limit of 0 in {_scope(r['queue'])} ({_set_by(r, now)}): no"
+                    " worker starts it until the limit is raised or cleared")  # fmt: skip
+        else:
+            said = (f"its type is at its limit, ≤{r['max_running']} in {_scope(r['queue'])}, {r['running']} running"
+                    f" now ({_set_by(r, now)}): it starts when one of them ends")  # fmt: skip
+        rows.append(("limit", said))
+    if lock is not None:
+        contention = "; a worker that claims it gives it back (lock contention)" if w.lock_held else ""
+        rows.append(("lock", lock + contention))
+    if not w.live_workers:
+        said = f"{NO_WORKER} no live worker takes {j.job_type} in {j.queue}"
+        if w.lost_workers:
+            named = ", ".join(
+                f"{x.id} (last heartbeat {ago(x.last_heartbeat_at, now)})" for x in w.lost_workers[:LOST_NAMED]
+            )
+            more = f" and {len(w.lost_workers) - LOST_NAMED} more" if len(w.lost_workers) > LOST_NAMED else ""
+            said += f"; lost: {named}{more}"
+        else:
+            said += f": no running worker registered {j.job_type} for {j.queue} (--tasks, --queue)"
+        rows.append(("workers", said))
+    if w.reasons == ["in_line"] and w.ahead is not None:
+        if w.ahead == 0 and not w.ahead_more:
+            said = f"next in line in {j.queue}: the next claim there takes it"
+        elif w.ahead >= AHEAD_CAP:
+            said = f"more than {AHEAD_CAP:,} jobs ahead of it in {j.queue}"
+        else:
+            floor = "at least " if w.ahead_more else ""
+            said = f"{floor}{w.ahead:,} job(s) ahead of it in {j.queue}, {floor}{w.ahead_of_type:,} of them"
+            said += f" {j.job_type}"
+            if w.ahead_more:
+                said += f" (of the first {AHEAD_SCAN:,} waiting jobs of every queue)"
+        rows.append(("in line", said + "; the claim order: priority, lowest first, then due time"))
+    return rows
+
+
+def expired_lease_said(j: Job, holders: JobHolders) -> str | None:
+    """What becomes of a running job's expired lease (stats.expired_lease_fate), and what holds it back (a paused
+    queue, a limit with no room: JobWaiting.lease_held_by); None when the job is not running on an expired lease."""
+    fate = expired_lease_fate(j, holders)
+    if fate == "cancelled":
+        return "the next claim ends it: cancelled (its kill was requested)"
+    if fate == "dead_lettered":
+        return ("the next claim dead-letters it without running it again: it ran alone and has no attempts left (a"
+                " poison pill)")  # fmt: skip
+    if fate is None:
+        return None
+    w = holders.waiting
+    held = w.lease_held_by if w is not None else []
+    said = []
+    if w is not None and "queue_paused" in held:
+        said.append(f"{PAUSED} its queue {j.queue} is paused: no worker reclaims it until it is resumed (qconsole"
+                    f" resume {j.queue}); a kill still ends it")  # fmt: skip
+    if w is not None and "type_limit" in held:
+        for r in w.limits:
+            if r["running_live"] < r["max_running"]:
+                continue
+            if r["max_running"] == 0:
+                said.append(f"{PAUSED} its type is held by a limit of 0: no worker reclaims it until the limit is"
+                            f" raised (qconsole limit {j.job_type} --clear)")  # fmt: skip
+            else:
+                said.append(f"its type's limit, ≤{r['max_running']} in {_scope(r['queue'])}, has no room"
+                            f" ({r['running_live']} running on a live lease): no worker reclaims it until one ends")
+    if said:
+        return "; ".join(said)
+    return ("only an idle worker reclaims it, and runs it alone as a suspect (claim_solo: it may be what stopped its"
+            " worker): a dead worker's jobs are taken back one per idle worker at a time")  # fmt: skip
+
+
 def job(j: Job, holders: JobHolders, as_json: bool) -> None:
-    """The job; who holds its lock_key (whichever job: a job waiting on its key was told it was free), and
-    the worker holding its lease in the workers screen's terms (live, lost, stopped)."""
+    """The job; why it waits (stats.JobWaiting: due later, its queue paused, its type at a limit, its lock_key held,
+    no live worker, the jobs ahead of it); who holds its lock_key (whichever job: a job waiting on its key was told it
+    was free), and the worker holding its lease in the workers screen's terms (live, lost, stopped)."""
     now = holders.at
     w = holders.worker
     if as_json:
@@ -115,11 +237,32 @@ def job(j: Job, holders: JobHolders, as_json: bool) -> None:
                 "stopped_at": to_jsonable(w.stopped_at) if w and w.stopped_at else None,
                 # once its lease expired: cancelled, dead_lettered or run_alone (stats.expired_lease_fate)
                 "expired_lease_next": expired_lease_fate(j, holders),
+                # what holds run_alone back: queue_paused, type_limit (stats.JobWaiting.lease_held_by)
+                "expired_lease_held_by": holders.waiting.lease_held_by if holders.waiting else [],
             }
         out["suspect"] = holders.suspect
         out["ran_solo"] = holders.ran_solo
+        out["waiting"] = None
+        if holders.waiting is not None and j.state in (JobState.QUEUED, JobState.RETRY_SCHEDULED):
+            out["waiting"] = {"reasons": holders.waiting.reasons, **to_jsonable(holders.waiting)}
         print(_dumps(out))
         return
+    lock_said = None
+    lock = holders.lock_holder
+    if lock is not None:
+        key, left = lock["lock_key"], lock["expires_in_seconds"]
+        until = f"until {ts(lock['expires_at'])} (expires in {duration(left or 0)})"
+        lock_said = {
+            "nobody": f"{key} not held",
+            "expired": f"{key}: its lease expired {duration(-(left or 0))} ago (free to take)",
+            "this_job": f"{key} held by this job {until}",
+            "no_job": f"{key} held by a lease of no job (a single_flight refill, another program) {until}",
+            "another_job": f"{key} held by job {lock['job_id']}"
+            + (f" ({lock['job_type']}, {lock['job_state']})" if lock["job_type"] else " (gone: pruned)")
+            + f" {until}",
+        }[lock["held_by"]]
+    # why it waits comes right after its state (its lock among the reasons), the most pressing first
+    waiting = waiting_said(j, holders, lock_said)
     t = Table(box=None, show_header=False, pad_edge=False)
     t.add_column(style="bold")
     t.add_column()
@@ -130,21 +273,12 @@ def job(j: Job, holders: JobHolders, as_json: bool) -> None:
     ):  # fmt: skip
         value = getattr(j, name)
         _row(t, name, ts(value) if isinstance(value, dt.datetime) else ("-" if value is None else str(value)))
+        if name == "state":
+            for label, said in waiting:
+                _row(t, label, said)
     _row(t, "retry_policy", json.dumps(j.retry_policy))
-    lock = holders.lock_holder
-    if lock is not None:
-        key, left = lock["lock_key"], lock["expires_in_seconds"]
-        until = f"until {ts(lock['expires_at'])} (expires in {duration(left or 0)})"
-        said = {
-            "nobody": f"{key} not held",
-            "expired": f"{key}: its lease expired {duration(-(left or 0))} ago (free to take)",
-            "this_job": f"{key} held by this job {until}",
-            "no_job": f"{key} held by a lease of no job (a single_flight refill, another program) {until}",
-            "another_job": f"{key} held by job {lock['job_id']}"
-            + (f" ({lock['job_type']}, {lock['job_state']})" if lock["job_type"] else " (gone: pruned)")
-            + f" {until}",
-        }[lock["held_by"]]
-        _row(t, "lock", said)
+    if lock_said is not None and not waiting:
+        _row(t, "lock", lock_said)
     if j.state is JobState.RUNNING and j.locked_by:
         if w is None:
             said = "no such worker: pruned a day after its last heartbeat"
@@ -156,15 +290,9 @@ def job(j: Job, holders: JobHolders, as_json: bool) -> None:
         else:
             said = f"live: heartbeat {duration((now - w.last_heartbeat_at).total_seconds())} ago"
         _row(t, "lease holder", f"{j.locked_by}: {said}")
-        fate = expired_lease_fate(j, holders)
-        if fate is not None and j.locked_until is not None:
-            _row(t, "lease", f"expired {duration((now - j.locked_until).total_seconds())} ago: " + {
-                "cancelled": "the next claim ends it: cancelled (its kill was requested)",
-                "dead_lettered": "the next claim dead-letters it without running it again (a poison pill: it ran"
-                " alone and has no attempts left)",
-                "run_alone": "only an idle worker reclaims it, and runs it alone as a suspect (claim_solo): a dead"
-                " worker's jobs are taken back one per idle worker at a time",
-            }[fate])
+        then = expired_lease_said(j, holders)
+        if then is not None and j.locked_until is not None:
+            _row(t, "lease", f"expired {duration((now - j.locked_until).total_seconds())} ago: {then}")
     if holders.suspect and j.state in (JobState.QUEUED, JobState.RETRY_SCHEDULED):
         _row(t, "claim", "a suspect: only an idle worker takes it, and runs it alone (claim_solo)")
     console.print(t)

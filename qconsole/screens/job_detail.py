@@ -16,11 +16,12 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from qconsole.backend import ConsoleBackend
+from qconsole.output import expired_lease_said, waiting_said
 from qconsole.screens.base import ConsoleScreen
 from qconsole.screens.workers import db_state
 from qconsole.widgets import fmt
 from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, ActionResult, Job, JobState
-from worker_core.stats import JobHolders, expired_lease_fate, tightest_limit
+from worker_core.stats import JobHolders, tightest_limit
 
 #: what the detail shows of a job, at most (the CLI's `qconsole job ID` shows it all)
 MAX_PAYLOAD_LINES = 200
@@ -139,23 +140,15 @@ class JobDetailScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self.query_one("#job-scroll").focus()
 
-    def fetch(self, backend: ConsoleBackend) -> tuple[Job, JobHolders, int | None]:
-        job, holders = backend.get_job(self.job_id)
-        limit = None
-        if self._lease_expired(job):
-            # under a limit of 0 no worker reclaims it: "another worker may reclaim it" was wrong then
-            limit = type_limit(backend.contracts().limits, job.job_type, job.queue)
-        return job, holders, limit
+    def fetch(self, backend: ConsoleBackend) -> tuple[Job, JobHolders]:
+        """One call: the job and who holds what it needs, with why it waits or what holds its expired lease back
+        (stats.job_holders: a paused queue, a limit, no live worker...), under the reads' statement timeout."""
+        return backend.get_job(self.job_id)
 
-    def _lease_expired(self, job: Job) -> bool:
-        if job.state.value != "running" or job.locked_until is None:
-            return False
-        return fmt.utc(job.locked_until) < self.qapp.clock.now()  # type: ignore[operator]
-
-    def show(self, data: tuple[Job, JobHolders, int | None]) -> None:
-        job, holders, limit = data
+    def show(self, data: tuple[Job, JobHolders]) -> None:
+        job, holders = data
         self.job = job
-        self.query_one("#job-body", Static).update(self.render_job(job, holders, limit))
+        self.query_one("#job-body", Static).update(self.render_job(job, holders))
         self.refresh_bindings()  # the keys its state takes (check_action)
 
     #: the errors and the payload as last rendered, and the job version they are of (see _heavy_parts)
@@ -204,7 +197,7 @@ class JobDetailScreen(ConsoleScreen):
             error = f"job {self.job_id} not found: retention pruned it, or it never existed"
         self.query_one("#job-body", Static).update(_t(f" {error}", style="bold"))
 
-    def render_job(self, job: Job, holders: JobHolders, limit: int | None = None) -> RenderableType:
+    def render_job(self, job: Job, holders: JobHolders) -> RenderableType:
         now = self.qapp.clock.now()
         parts: list[RenderableType] = []
         head = Text()
@@ -216,19 +209,24 @@ class JobDetailScreen(ConsoleScreen):
         if self.note:
             parts.append(_t(self.note, style="italic"))
 
-        # what matters during an incident comes first: lease and lock, why it failed, what it carried
+        # what matters during an incident comes first: why it waits (the most pressing reason first), or its lease
+        # and lock; then why it failed, what it carried
         rows: list[tuple[str, Any]] = []
         if job.state.value == "running" and job.locked_until is not None:
-            rows.append(("lease", self._lease_said(job, holders, limit, now)))
-        if holders.lock_holder is not None:
-            rows.append(("lock", _t(lock_said(job, holders.lock_holder))))
+            rows.append(("lease", self._lease_said(job, holders, now)))
+        lock = lock_said(job, holders.lock_holder) if holders.lock_holder is not None else None
+        waiting = waiting_said(job, holders, lock)
+        for i, (label, said) in enumerate(waiting):
+            rows.append((label, _t(said, style="bold" if i == 0 else "")))
+        if lock is not None and not waiting:
+            rows.append(("lock", _t(lock)))
         if holders.suspect and job.state in (JobState.QUEUED, JobState.RETRY_SCHEDULED):
             rows.append(("claim", _t(
                 "a suspect (its lease expired while its worker ran other jobs too): only an idle"
                 " worker takes it, and runs it alone (claim_solo)"
             )))  # fmt: skip
         if rows:
-            parts.append(_section("lease and lock"))
+            parts.append(_section("why it waits" if waiting else "lease and lock"))
             parts.append(_kv(rows))
 
         parts.append(_section(f"errors ({len(job.errors)} attempt(s) failed)"))
@@ -270,30 +268,18 @@ class JobDetailScreen(ConsoleScreen):
         )
         return Group(*parts)
 
-    def _lease_said(self, job: Job, holders: JobHolders, limit: int | None, now: dt.datetime) -> Text:
+    def _lease_said(self, job: Job, holders: JobHolders, now: dt.datetime) -> Text:
         """When the lease ends, the worker holding it as the workers screen judges it, and, once it expired,
-        what the next claim does with the job: only claim_solo takes an expired lease (an idle worker, one job
-        at a time, run alone), which is why a dead worker's jobs drain slowly."""
+        what the next claim does with the job (output.expired_lease_said): only claim_solo takes an expired lease
+        (an idle worker, one job at a time, run alone), which is why a dead worker's jobs drain slowly, and not
+        in a paused queue, nor past a limit with no room."""
         left = (fmt.utc(job.locked_until) - now).total_seconds()  # type: ignore[operator]
         holder = worker_said(job, holders)
         alone = "; runs alone (a suspect)" if holders.ran_solo else ""
         if left >= 0:
             return _t(f"ends in {fmt.duration(left)} ({fmt.hms(job.locked_until)} UTC), held by {holder}{alone}")
-        ago = fmt.duration(-left)
-        fate = expired_lease_fate(job, holders)
-        if fate == "cancelled":
-            then = "the next claim ends it: cancelled (its kill was requested)"
-        elif fate == "dead_lettered":
-            then = ("the next claim dead-letters it without running it again: it ran alone and has no attempts"
-                    " left (a poison pill)")  # fmt: skip
-        elif limit == 0:
-            then = (f"{fmt.PAUSED} its type is held by a limit of 0: no worker reclaims it until the limit is raised"
-                    f" (qconsole limit {job.job_type} --clear)")  # fmt: skip
-        else:
-            then = ("only an idle worker reclaims it, and runs it alone as a suspect (claim_solo: it may be what"
-                    " stopped its worker): a dead worker's jobs are taken back one per idle worker at a"
-                    " time")  # fmt: skip
-        return _t(f"EXPIRED {ago} ago (held by {holder}): {then}", style="bold")
+        then = expired_lease_said(job, holders) or "the next claim takes it back"
+        return _t(f"EXPIRED {fmt.duration(-left)} ago (held by {holder}): {then}", style="bold")
 
     # ---------------------------------------------------------------- actions
 
