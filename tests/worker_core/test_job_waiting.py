@@ -226,3 +226,32 @@ def test_an_expired_lease_in_a_paused_queue_is_held_back_as_the_claim_holds_it(c
     rescuer.refresh_claim_filters()
     rescuer._want_solo = True
     assert [r["id"] for r in rescuer.claim(4)] == [job]  # resumed: taken back, to run alone
+
+
+def test_the_detail_reads_one_statement_more_and_only_for_a_job_that_waits_or_holds_an_expired_lease(
+    conn: db.Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the console's job detail refreshes every 2 s over SSH: why it waits costs one statement, bounded, and nothing for
+    # a job that runs on a live lease or has finished
+    names = {text: name for name, text in queries.items()}
+    ran: list[str] = []
+    execute = conn.execute
+
+    def counted(query: Any, *args: Any, **kwargs: Any) -> Any:
+        ran.append(names.get(query, "other"))
+        return execute(query, *args, **kwargs)
+
+    waiting_job = add(conn, lock_key="order:1")
+    running = add(conn)
+    conn.execute("UPDATE job_queue SET state = 'running', locked_until = %s WHERE id = %s", (NOW, running))
+    monkeypatch.setattr(conn, "execute", counted)
+    for job_id, expected in (
+        (waiting_job, ["job_lease_holder", "job_lock_key_holder", "job_lock", "job_waiting"]),
+        (running, ["job_lease_holder", "job_lock"]),  # its lease live at NOW
+    ):
+        ran.clear()
+        stats.job_holders(conn, stats.get_job(conn, job_id), FixedClock(NOW))
+        assert ran[1:] == expected, ran  # after job_get
+    ran.clear()
+    stats.job_holders(conn, stats.get_job(conn, running), FixedClock(NOW + dt.timedelta(seconds=1)))
+    assert ran[1:] == ["job_lease_holder", "job_lock", "job_waiting"]  # expired: what holds it back
