@@ -21,7 +21,7 @@ from qconsole.screens.base import ConsoleScreen
 from qconsole.screens.workers import db_state
 from qconsole.widgets import fmt
 from worker_core.models import KILLABLE_STATES, REQUEUEABLE_STATES, ActionResult, Job, JobState
-from worker_core.stats import JobHolders, tightest_limit
+from worker_core.stats import JobHolders
 
 #: what the detail shows of a job, at most (the CLI's `qconsole job ID` shows it all)
 MAX_PAYLOAD_LINES = 200
@@ -93,12 +93,6 @@ def worker_said(job: Job, holders: JobHolders) -> str:
         beat = fmt.ago(w.last_heartbeat_at, now)
         return f"{job.locked_by}, {db_state(w)} since {fmt.hms(since)} UTC (last heartbeat {beat})"
     return f"{job.locked_by}, {db_state(w)}"
-
-
-def type_limit(limits: list[dict[str, Any]], job_type: str, queue: str) -> int | None:
-    """The concurrency limit that holds ``job_type`` in ``queue`` most: its queue's and its every-queue one both
-    apply."""
-    return tightest_limit({(r["job_type"], r["queue"]): int(r["max_running"]) for r in limits}, job_type, queue)
 
 
 class JobDetailScreen(ConsoleScreen):
