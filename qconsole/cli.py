@@ -29,12 +29,11 @@ from worker_core.migrate import (
     LockHolder,
     Migration,
     MigrationFailed,
-    changed_migrations,
-    pending_migrations,
     unknown_migrations,
 )
 from worker_core.migrate import migrate as run_migrations
 from worker_core.models import ActionResult, DeadLetterGroups, Job, JobState
+from worker_core.producer import NotMigrated
 from worker_core.sql import queries
 
 app = typer.Typer(
@@ -194,28 +193,34 @@ def _database_error(e: psycopg.OperationalError) -> NoReturn:
 
 
 def _check_schema(conn: db.Conn, target: str, configured: str | None, for_workers: bool) -> None:
-    """Migrations pending (applied here on the embedded server), changed, or newer than this code's."""
-    pending = pending_migrations(conn)
-    if pending:
-        if configured is None and not _ROOT["read_only"]:
-            # the embedded server is ours: bring its schema up to date (a first `qconsole stats` too)
-            try:
-                with db.connect(target, application_name="qconsole-migrate") as mconn:
-                    run_migrations(mconn, on_wait=_say_lock_wait)
-            except MigrationFailed as e:
-                _migration_failed(e, target)
-        else:
-            names = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
-            fail(f"the database needs migrations ({names}): run `qconsole migrate`", 3)
-    changed = changed_migrations(conn)
-    if changed:
+    """Migrations pending (applied here on the embedded server), changed, or newer than this code's: the start
+    check of worker_core (ops.check_schema), said the CLI's way."""
+    # the embedded server is ours: its schema is brought up to date (a first `qconsole stats` too)
+    ours = configured is None and not _ROOT["read_only"]
+    try:
+        state = ops.check_schema(
+            conn, migrate_dsn=target if ours else None, on_wait=_say_lock_wait, refuse_changed=for_workers
+        )
+    except NotMigrated as e:
+        if e.failed is not None:
+            _migration_failed(e.failed, target)
+        if e.pending:
+            fail(_pending_said(e.pending), 3)
+        fail(f"{_changed_said(e.changed)} that migrated it: its workers refuse to start", 3)
+    if state.changed:
         # workers refuse to start on such a schema (forward-only); an operator's command is only warned
-        names = ", ".join(f"{m.version:04d}_{m.name}" for m in changed)
-        why = f"migrations {names} differ from what this database applied: this qconsole is not the version"
-        if for_workers:
-            fail(f"{why} that migrated it: its workers refuse to start", 3)
-        typer.echo(f"warning: {why} that migrated it (workers of it refuse to start)", err=True)
-    _warn_if_newer(conn)
+        said = _changed_said(state.changed)
+        typer.echo(f"warning: {said} that migrated it (workers of it refuse to start)", err=True)
+    _say_newer(state.newer)
+
+
+def _pending_said(pending: Sequence[Migration]) -> str:
+    return f"the database needs migrations ({', '.join(m.label for m in pending)}): run `qconsole migrate`"
+
+
+def _changed_said(changed: Sequence[Migration]) -> str:
+    names = ", ".join(m.label for m in changed)
+    return f"migrations {names} differ from what this database applied: this qconsole is not the version"
 
 
 def guarded(fn: Callable[[], T]) -> T:
@@ -283,9 +288,12 @@ def _seconds(flag: str, text: str | None, problems: list[str]) -> float | None:
 
 
 def _warn_if_newer(conn: db.Conn) -> None:
+    _say_newer(unknown_migrations(conn))
+
+
+def _say_newer(newer: Sequence[int]) -> None:
     """Said, not refused: during a rolling upgrade the new version migrates first, and the old one's workers
     keep running on the schema (migrations only add to it)."""
-    newer = unknown_migrations(conn)
     if newer:
         versions = ", ".join(f"{v:04d}" for v in newer)
         typer.echo(
@@ -416,14 +424,13 @@ def _schema_ready_for_console(dsn: str | None, read_only: bool) -> None:
     target = db.resolve_dsn(configured)
     try:
         with db.connect(target, application_name="qconsole-cli", connect_timeout=3) as conn:
-            pending = pending_migrations(conn)
+            ops.check_schema(conn, refuse_changed=False)
+    except NotMigrated as e:
+        fail(_pending_said(e.pending), 3)
     except psycopg.ProgrammingError as e:  # a DSN libpq cannot parse: the console could never connect
         fail(f"cannot connect to {db.redact_dsn(target)}: {db.redact(str(e).strip(), target)}", 3)
     except psycopg.OperationalError:
         return
-    if pending:
-        names = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
-        fail(f"the database needs migrations ({names}): run `qconsole migrate`", 3)
 
 
 @app.command()

@@ -14,12 +14,15 @@ from typing import Any
 
 import psycopg
 
+from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK, Clock, now_on
 from worker_core.db import Conn
 from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
 from worker_core.errors import ChangedMeanwhile, EnvelopeError, NotFound, ReadOnlyError
 from worker_core.metrics import MetricsBuffer
+from worker_core.migrate import Migration, MigrationFailed, OnWait, applied_versions, load_migrations, migrate
 from worker_core.models import REQUEUEABLE_STATES, ActionResult, JobState
+from worker_core.producer import NotMigrated
 from worker_core.sql import queries
 
 DEFAULT_REQUEUE_BUDGET = 1
@@ -149,6 +152,56 @@ def worker_refusal(conn: Conn) -> str | None:
             " worker as a role that has them"
         )
     return None
+
+
+@dataclass(frozen=True)
+class SchemaState:
+    """What :func:`check_schema` found that refuses nothing: migrations applied that differ from this
+    version's (``changed``: only when not refused) and those applied by a newer version (``newer``)."""
+
+    changed: tuple[Migration, ...] = ()
+    newer: tuple[int, ...] = ()
+
+
+def check_schema(
+    conn: Conn, *, migrate_dsn: str | None = None, on_wait: OnWait | None = None, refuse_changed: bool = True
+) -> SchemaState:
+    """The start check of every worker and command (``Worker.run()``, a supervisor, ``qconsole worker`` and
+    the CLI before a command): the database is migrated, by this version. NotMigrated when it is not, its
+    ``pending`` (and ``changed``) saying what was found: migrations pending (``migrate_dsn``: the embedded
+    server's, applied here first, through a connection of their own, ``on_wait`` told of lock waits; failed,
+    in its ``failed``), or applied ones that differ from this version's (``refuse_changed``: a worker's; an
+    operator's command is only warned of them: in the result). psycopg's InsufficientPrivilege for a role that
+    may not read worker_core_migrations."""
+    migrations = load_migrations()
+    done = applied_versions(conn)
+    if migrate_dsn is not None and any(m.version not in done for m in migrations):
+        try:
+            with db.connect(migrate_dsn, application_name="qconsole-migrate") as mconn:
+                migrate(mconn, on_wait=on_wait)
+        except MigrationFailed as e:
+            failed = NotMigrated(f"the embedded server's migrations failed: {e}")
+            failed.failed = e
+            raise failed from e
+        done = applied_versions(conn)
+    pending = tuple(m for m in migrations if m.version not in done)
+    changed = tuple(m for m in migrations if m.version in done and not m.matches(done[m.version]))
+    if pending or (changed and refuse_changed):
+        if pending:
+            message = (
+                f"the database needs migrations ({', '.join(m.label for m in pending)}): run `qconsole migrate`"
+                " (as the schema's owner), or check that the DSN names the queue's database"
+            )
+        else:
+            message = (
+                f"migrations {', '.join(m.label for m in changed)} differ from what this database applied: this"
+                " worker_core is not the version that migrated it, and its workers refuse to start"
+            )
+        refused = NotMigrated(message)
+        refused.pending, refused.changed = pending, changed
+        raise refused
+    known = {m.version for m in migrations}
+    return SchemaState(changed, tuple(sorted(v for v in done if v not in known)))
 
 
 def _ids(job_ids: Iterable[uuid.UUID | str]) -> list[uuid.UUID]:

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -49,6 +49,9 @@ from worker_core.registry import registry as default_registry
 from worker_core.retry import RetryPolicy
 from worker_core.sql import queries
 
+if TYPE_CHECKING:
+    from worker_core.migrate import Migration, MigrationFailed
+
 T = TypeVar("T")
 #: a psycopg AsyncConnection of the application's, whatever its row factory
 AnyAsyncConn = psycopg.AsyncConnection[Any]
@@ -56,7 +59,15 @@ AnyAsyncConn = psycopg.AsyncConnection[Any]
 
 class NotMigrated(psycopg.ProgrammingError):
     """The producer's statements name a table (or a column) the database does not have: it is not migrated
-    for this version of worker_core. A psycopg error still, for callers that handle those."""
+    for this version of worker_core. A psycopg error still, for callers that handle those. Raised too by the
+    start checks (worker_core.ops.check_schema), which say what they found in its fields."""
+
+    #: the migrations of this version the database has not applied
+    pending: tuple[Migration, ...] = ()
+    #: those it applied that differ from this version's (another version migrated it)
+    changed: tuple[Migration, ...] = ()
+    #: the embedded server's migrations, applied by the check, failed: how
+    failed: MigrationFailed | None = None
 
 
 # ------------------------------------------------------------------------------------------ the contract

@@ -52,9 +52,8 @@ from worker_core.execution import Abandoned, Execution, Slot, UndecodablePayload
 from worker_core.locks import LockBackend, lease_seconds, lock_backend
 from worker_core.logs import bound_logger, job_fields
 from worker_core.metrics import MetricsBuffer
-from worker_core.migrate import MigrationFailed, applied_versions, load_migrations, migrate
-from worker_core.ops import worker_refusal
-from worker_core.producer import NotMigrated, publish_policy
+from worker_core.ops import check_schema, worker_refusal
+from worker_core.producer import publish_policy
 from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry
 from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, WORKER_SIGNALS, SignalRelay, relay_signals
@@ -1573,38 +1572,17 @@ class Worker:
 
 def check_worker_database(dsn: str, *, embedded: bool = False, application_name: str = "qconsole-worker") -> None:
     """What a worker checks before it starts (``Worker.run()``, a supervisor before its processes; ``qconsole
-    worker`` checks the same, and says it its own way): the database is migrated, by this version (NotMigrated
-    otherwise, saying what to run; on the ``embedded`` server the migrations pending are applied here, as the
-    CLI does), and a worker may run there: neither a read-only server or session (a replica) nor a role that
-    may not write (or read) job_queue and workers (WorkerRefused, saying why). psycopg.OperationalError when
-    the database cannot be reached, or does not answer within a worker's statement timeout."""
+    worker`` checks the same, through the same ops.check_schema and ops.worker_refusal, and says it its own
+    way): the database is migrated, by this version (NotMigrated otherwise, saying what to run; on the
+    ``embedded`` server the migrations pending are applied here, as the CLI does), and a worker may run there:
+    neither a read-only server or session (a replica) nor a role that may not write (or read) job_queue and
+    workers (WorkerRefused, saying why). psycopg.OperationalError when the database cannot be reached, or does
+    not answer within a worker's statement timeout."""
     with db.connect(
         dsn, application_name=application_name, autocommit=True, statement_timeout_ms=db.OWN_STATEMENT_TIMEOUT_MS
     ) as conn:
         try:
-            migrations = load_migrations()
-            done = applied_versions(conn)
-            if embedded and any(m.version not in done for m in migrations):
-                try:
-                    with db.connect(dsn, application_name="qconsole-migrate") as mconn:
-                        migrate(mconn)
-                except MigrationFailed as e:
-                    raise NotMigrated(f"the embedded server's migrations failed: {e}") from e
-                done = applied_versions(conn)
-            pending = [m for m in migrations if m.version not in done]
-            if pending:
-                names = ", ".join(m.label for m in pending)
-                raise NotMigrated(
-                    f"the database needs migrations ({names}): run `qconsole migrate` (as the schema's owner), or"
-                    " check that the DSN names the queue's database"
-                )
-            changed = [m for m in migrations if m.version in done and not m.matches(done[m.version])]
-            if changed:
-                names = ", ".join(m.label for m in changed)
-                raise NotMigrated(
-                    f"migrations {names} differ from what this database applied: this worker_core is not the"
-                    " version that migrated it, and its workers refuse to start"
-                )
+            check_schema(conn, migrate_dsn=dsn if embedded else None)
             refusal = worker_refusal(conn)
         except psycopg.errors.InsufficientPrivilege as e:
             raise WorkerRefused(

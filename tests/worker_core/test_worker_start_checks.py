@@ -15,6 +15,7 @@ import worker_core
 from tests.worker_core.helpers import TASKS, config, in_thread
 from worker_core import db
 from worker_core.errors import WorkerRefused
+from worker_core.ops import SchemaState, check_schema
 from worker_core.supervisor import Supervisor
 from worker_core.worker import Worker, WorkerConfig
 
@@ -97,4 +98,24 @@ def test_a_worker_checks_the_database_once_not_in_each_process(dsn: str, monkeyp
     t.join(90)
     assert out == [0] and calls == ["sup"]
 
+
+
+
+# --------------------------------------------------------------------- ops.check_schema: the one check
+
+
+def test_the_one_schema_check_says_what_it_found(conn: db.Conn, empty_dsn: str) -> None:
+    # the CLI (before every command, the console's start) and Worker.run() each had a check of their own
+    with db.connect(empty_dsn, autocommit=True) as empty, pytest.raises(worker_core.NotMigrated) as raised:
+        check_schema(empty)
+    assert raised.value.pending and raised.value.pending[0].label.startswith("0001_")
+    assert "qconsole migrate" in str(raised.value)
+    assert check_schema(conn) == SchemaState()  # nothing to say
+    conn.execute("UPDATE worker_core_migrations SET checksum = 'another' WHERE version = 1")
+    conn.execute("INSERT INTO worker_core_migrations (version, name, checksum) VALUES (9999, 'later', 'x')")
+    state = check_schema(conn, refuse_changed=False)  # an operator's command: warned, not refused
+    assert [m.label for m in state.changed] == ["0001_init"] and state.newer == (9999,)
+    with pytest.raises(worker_core.NotMigrated, match="differ from what this database applied") as raised:
+        check_schema(conn)  # a worker's
+    assert [m.label for m in raised.value.changed] == ["0001_init"] and not raised.value.pending
 
