@@ -53,7 +53,7 @@ from worker_core.locks import LockBackend, lease_seconds, lock_backend
 from worker_core.logs import bound_logger, job_fields
 from worker_core.metrics import MetricsBuffer
 from worker_core.ops import check_schema, worker_refusal
-from worker_core.producer import publish_policy
+from worker_core.producer import NotMigrated, publish_policy
 from worker_core.registry import Registry, import_task_modules
 from worker_core.registry import registry as global_registry
 from worker_core.signals import SUPERVISOR_STOP, SUPERVISOR_STOP_NOW, WORKER_SIGNALS, SignalRelay, relay_signals
@@ -75,6 +75,9 @@ EXIT_CONFIG = 2
 #: seconds: behind a lock on job_queue, a statement timeout, the server gone): the CLI's code for a database
 #: unreachable or behind a lock
 EXIT_UNAVAILABLE = 3
+#: a worker whose claims found the queue's tables missing (Worker._wait_for_migrations) runs the start check
+#: again after 1 s, then after twice as long each time, up to this
+MIGRATION_RECHECK_MAX_SECONDS = 30.0
 #: how often the watchdog looks at running handlers (timeouts are enforced to within this)
 WATCHDOG_TICK = 0.05
 #: full groups of fast jobs a worker may hold beyond its slots' and prefetch's jobs (see Worker.max_in_flight):
@@ -131,6 +134,12 @@ def _lock_wait_error(error: BaseException) -> bool:
     """A statement cancelled by its statement timeout or refused by lock_timeout: what a claim behind a
     lock on job_queue fails with."""
     return isinstance(error, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable))
+
+
+def _schema_missing(error: BaseException) -> bool:
+    """A statement named a table or a column the database does not have: it is not migrated (any more: it was
+    recreated or restored without its migrations), or not by this version."""
+    return isinstance(error, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn))
 
 
 @dataclass
@@ -922,6 +931,11 @@ class Worker:
                 backoff = min(max(backoff * 2, 0.2), 10.0)
                 why = db.redact(str(e).strip(), self.dsn) if isinstance(e, psycopg.Error) else repr(e)
                 self._claim_conn = None
+                if _schema_missing(e):
+                    if self._wait_for_migrations(why):
+                        break
+                    backoff = 0.0
+                    continue
                 if self._give_up(claimed_at, "claim", why, e):
                     break
                 self.log.warning("claim failed (%s); retrying in %.1fs", why, backoff)
@@ -951,6 +965,62 @@ class Worker:
             self._idle_until = time.monotonic() + wait
             self._wake.wait(wait)
             self._idle_until = 0.0
+
+    #: what the claims found missing, while the worker waits for the migrations (None: it does not)
+    not_migrated: str | None = None
+
+    def _wait_for_migrations(self, why: str) -> bool:
+        """A claim named a table or column the database does not have (``why``): it was recreated or restored
+        without its migrations, or the worker could not check it at its start (unreachable then). Claiming
+        again and again failed the same way, a warning every 10 s for ever, and the heartbeat's every beat.
+
+        The start check (check_worker_database: on the embedded server, the migrations are applied) says what
+        is wrong, once, with the fix. A burst worker then stops: run() returns EXIT_UNAVAILABLE (the CLI's code
+        for a database not migrated). Another claims nothing, and runs the check again after 1 s, then twice
+        as long each time, up to MIGRATION_RECHECK_MAX_SECONDS, saying what it finds only when that changes;
+        once it passes, it says so and claims again. Returns whether the worker stops."""
+        what = (why.splitlines() or [""])[0]  # not the LINE 3: ... and caret lines of the statement's context
+        said = self._database_problem(
+            f"the database is not migrated for this worker ({what}): run `qconsole migrate` (as the schema's"
+            " owner), or check that the DSN names the queue's database"
+        )
+        if said is None:  # migrated meanwhile (a restore that just ended): claim again
+            return False
+        self.not_migrated = said
+        if self.config.burst:
+            self.gave_up = f"a claim failed ({what}): {said}"
+            self.log.error("burst: giving up, %s", self.gave_up)
+            self._stopping.set()
+            return True
+        self.log.error("a claim failed (%s): %s; claiming nothing until it is (checked again every %g s at most)",
+                       what, said, MIGRATION_RECHECK_MAX_SECONDS)  # fmt: skip
+        since = time.monotonic()
+        wait = 1.0
+        while not self._stopping.wait(wait * random.uniform(0.8, 1.2)):
+            wait = min(wait * 2, MIGRATION_RECHECK_MAX_SECONDS)
+            found = self._database_problem(said)
+            if found is None:
+                self.not_migrated = None
+                self.log.info("the database is migrated (after %.0f s): claiming again", time.monotonic() - since)
+                return False
+            self.log.debug("checked the database again: %s", found)
+            if found != said:
+                said = self.not_migrated = found
+                self.log.error("still claiming nothing: %s", said)
+        return False
+
+    def _database_problem(self, unknown: str) -> str | None:
+        """What the start check finds wrong with the database now (NotMigrated, WorkerRefused), None if
+        nothing; ``unknown`` when it cannot tell (the database cannot be reached)."""
+        embedded = db.configured_dsn(self.config.dsn) is None
+        try:
+            check_worker_database(self.dsn, embedded=embedded, application_name=self.config.application_name)
+        except (NotMigrated, WorkerRefused) as e:
+            return str(e)
+        except psycopg.Error as e:
+            self.log.debug("could not check the database: %s", db.redact(str(e).strip(), self.dsn))
+            return unknown
+        return None
 
     def _idle_wait(self, claimed_at: float) -> float:
         """A poll interval, or less when a job this worker put back comes due sooner (the claim that began
@@ -1161,7 +1231,8 @@ class Worker:
         try:
             return self._flush_and_beat()
         except psycopg.Error as e:
-            self.log.warning("heartbeat failed: %s", db.redact(str(e).strip(), self.dsn))
+            if self.not_migrated is None:  # said once, by the claim loop, which waits for the migrations
+                self.log.warning("heartbeat failed: %s", db.redact(str(e).strip(), self.dsn))
             self._hb_conn = None
         except Exception:
             self.log.exception("heartbeat error")
@@ -1423,7 +1494,8 @@ class Worker:
                     maintenance.bound_idle(conn)
                     self.housekeeping(conn)
             except psycopg.Error as e:
-                self.log.warning("housekeeping failed: %s", db.redact(str(e).strip(), self.dsn))
+                if self.not_migrated is None:  # said once, as the heartbeat's
+                    self.log.warning("housekeeping failed: %s", db.redact(str(e).strip(), self.dsn))
             except Exception:
                 self.log.exception("housekeeping error")
             finally:
