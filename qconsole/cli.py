@@ -24,7 +24,7 @@ from qconsole import output
 from worker_core import db, ops, stats
 from worker_core.clock import SYSTEM_CLOCK, now_on
 from worker_core.envelope import DEFAULT_QUEUE, QUEUE_RE
-from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError
+from worker_core.errors import EnvelopeError, NotFound, ReadOnlyError, TableLocked
 from worker_core.migrate import (
     LockHolder,
     Migration,
@@ -233,6 +233,8 @@ def guarded(fn: Callable[[], T]) -> T:
         fail(str(e), 2)
     except NotFound as e:
         fail(str(e), 1)
+    except TableLocked as e:  # behind another session's lock, as a statement timeout is: exit 3
+        fail(str(e), 3)
     except ReadOnlyError as e:
         fail(str(e), 1)
     except psycopg.OperationalError as e:

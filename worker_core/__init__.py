@@ -15,6 +15,7 @@ from worker_core.errors import (
     NotFound,
     PermanentError,
     ReadOnlyError,
+    TableLocked,
     TransientError,
     WorkerRefused,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "RetryPolicy",
     "SingleFlightTimeout",
     "SystemClock",
+    "TableLocked",
     "Task",
     "TransientError",
     "VersionConflict",

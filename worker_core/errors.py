@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import datetime as dt
 import sys
+from collections.abc import Sequence
 
 if sys.version_info >= (3, 11):
     _GROUPS: tuple[type[BaseException], ...] = (builtins.BaseExceptionGroup,)
@@ -71,6 +72,24 @@ class WorkerRefused(WorkerCoreError):
     """A worker cannot run on this server as this role (:func:`worker_refusal` says why): a read-only server
     or session (a replica), or a role that may not write (or read) the queue's tables. Raised by
     ``Worker.run()`` before it starts; ``qconsole worker`` exits 1 with the same reason."""
+
+
+class TableLocked(WorkerCoreError):
+    """An operator action (or its audit entry) waited ``waited`` seconds (ops.ACTION_LOCK_WAIT_S) for a lock
+    another session holds on a table it needs (audit_log, queues, concurrency_limits): it was not done, and
+    nothing of it was written. ``holders``: the sessions holding locks on those tables, as said (pid, state,
+    how long their transaction has been open, their last statement), the oldest transaction first."""
+
+    def __init__(self, what: str, tables: Sequence[str], waited: float, holders: Sequence[str]) -> None:
+        self.what = what
+        self.tables = tuple(tables)
+        self.holders = tuple(holders)
+        held = "; ".join(self.holders) or "a session that has ended since"
+        super().__init__(
+            f"{what} was not done, nothing of it was written: it waited {waited:g} s for a lock on"
+            f" {', '.join(self.tables)} that another session holds: {held}. End that transaction (or the session:"
+            " pg_terminate_backend(pid)), or try again once it is done"
+        )
 
 
 class ChangedMeanwhile(WorkerCoreError, ValueError):

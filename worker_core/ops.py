@@ -8,7 +8,8 @@ import getpass
 import json
 import os
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +19,17 @@ from worker_core import db
 from worker_core.clock import SYSTEM_CLOCK, Clock, now_on
 from worker_core.db import Conn
 from worker_core.envelope import DEFAULT_QUEUE, JOB_TYPE_RE, MAX_MAX_ATTEMPTS, QUEUE_RE, check_payload
-from worker_core.errors import ChangedMeanwhile, EnvelopeError, NotFound, ReadOnlyError
+from worker_core.errors import ChangedMeanwhile, EnvelopeError, NotFound, ReadOnlyError, TableLocked
 from worker_core.metrics import MetricsBuffer
-from worker_core.migrate import Migration, MigrationFailed, OnWait, applied_versions, load_migrations, migrate
+from worker_core.migrate import (
+    LockHolder,
+    Migration,
+    MigrationFailed,
+    OnWait,
+    applied_versions,
+    load_migrations,
+    migrate,
+)
 from worker_core.models import REQUEUEABLE_STATES, ActionResult, JobState
 from worker_core.producer import NotMigrated
 from worker_core.sql import queries
@@ -204,6 +213,45 @@ def check_schema(
     return SchemaState(changed, tuple(sorted(v for v in done if v not in known)))
 
 
+#: how long an operator action waits for a lock on a table it writes besides job_queue (audit_log, queues,
+#: concurrency_limits), then gives up, nothing of it done (TableLocked, naming who holds the lock). Behind an
+#: operator's long transaction holding one (a LOCK TABLE, an UPDATE left uncommitted in psql), a pause, a limit,
+#: the console's start or stop of a worker (its audit entry) waited up to the statement timeout (10 minutes),
+#: the console's action frozen meanwhile
+ACTION_LOCK_WAIT_S = 5.0
+
+#: what an action reads besides the tables it writes (pause and limit look for the queue or type named): only
+#: an ACCESS EXCLUSIVE lock on them holds it up
+_ACTION_READS = ("job_queue", "job_type_contracts", "workers")
+
+
+@contextmanager
+def lock_wait_bounded(
+    conn: Conn, what: str, writes: Sequence[str], reads: Sequence[str] = (), seconds: float = ACTION_LOCK_WAIT_S
+) -> Iterator[None]:
+    """Inside the caller's transaction: its statements within wait ``seconds`` at most for a lock (a savepoint
+    around them); one that waits longer raises TableLocked, saying ``what`` was not done and naming the
+    sessions holding locks on the tables it ``writes`` (any lock but a reader's) or ``reads`` (an ACCESS
+    EXCLUSIVE one). The caller's transaction then rolls back with it: nothing of the action is written. The
+    lock timeout the transaction had is put back after."""
+    row = conn.execute(queries["lock_wait_bound"], {"wait": f"{round(seconds * 1000)}ms"}).fetchone()
+    assert row is not None
+    try:
+        with conn.transaction():
+            yield
+    except psycopg.errors.LockNotAvailable as e:
+        holders = lock_holders(conn, writes, reads)
+        raise TableLocked(what, [*writes, *reads], seconds, [str(h) for h in holders]) from e
+    conn.execute(queries["lock_wait_restore"], {"before": row["before"]})
+
+
+def lock_holders(conn: Conn, writes: Sequence[str], reads: Sequence[str] = ()) -> list[LockHolder]:
+    """The sessions whose locks a writer of ``writes`` and reader of ``reads`` may wait for, the oldest
+    transaction first (queries.sql ``table_lock_holders``)."""
+    rows = conn.execute(queries["table_lock_holders"], {"writes": list(writes), "reads": list(reads)}).fetchall()
+    return [LockHolder(r["pid"], r["state"], r["seconds"], r["query"]) for r in rows]
+
+
 def _ids(job_ids: Iterable[uuid.UUID | str]) -> list[uuid.UUID]:
     out = []
     for j in job_ids:
@@ -224,20 +272,24 @@ def _audit(
     queue: str | None = None,
     reason: str | None = None,
     detail: Mapping[str, Any] | None = None,
+    what: str | None = None,
 ) -> int:
-    row = conn.execute(
-        queries["audit_insert"],
-        {
-            "now": now,
-            "os_user": actor.os_user,
-            "ssh_client": actor.ssh_client,
-            "action": action,
-            "queue": queue,
-            "job_ids": job_ids or [],
-            "reason": reason,
-            "detail": json.dumps(dict(detail or {}), default=str),
-        },
-    ).fetchone()
+    """The action's audit entry, in its transaction; a lock on audit_log waited for ACTION_LOCK_WAIT_S at most
+    (TableLocked: ``what``, the action, was not done)."""
+    with lock_wait_bounded(conn, what or f"the {action}", ("audit_log",)):
+        row = conn.execute(
+            queries["audit_insert"],
+            {
+                "now": now,
+                "os_user": actor.os_user,
+                "ssh_client": actor.ssh_client,
+                "action": action,
+                "queue": queue,
+                "job_ids": job_ids or [],
+                "reason": reason,
+                "detail": json.dumps(dict(detail or {}), default=str),
+            },
+        ).fetchone()
     assert row is not None
     return int(row["id"])
 
@@ -481,7 +533,8 @@ def set_paused(
         raise ValueError(f"{queue!r} is not a queue name")
     actor = actor or Actor.current()
     now = now_on(conn, clock)
-    with conn.transaction():
+    what = f"the {'pause' if paused else 'resume'} of queue {queue!r}"
+    with conn.transaction(), lock_wait_bounded(conn, what, ("queues", "audit_log"), _ACTION_READS):
         ensure_writable(conn)
         found = conn.execute(queries["queue_known"], {"queue": queue}).fetchone()
         if not allow_unknown and queue != DEFAULT_QUEUE and found is not None and not found["known"]:
@@ -541,7 +594,7 @@ def audit_worker(
         ensure_writable(conn)
         audit_id = _audit(
             conn, now, actor, action, queue=queues[0] if len(queues) == 1 else None, reason=reason,
-            detail=_with_token(detail, token),
+            detail=_with_token(detail, token), what=f"the audit entry of embedded worker #{number}'s {action}",
         )  # fmt: skip
     return ActionResult(action, 1, [], [], audit_id)
 
@@ -588,7 +641,8 @@ def set_limit(
         raise ValueError(f"{job_type!r} is not a job type name ([a-z0-9_.-]+)")
     actor = actor or Actor.current()
     now = now_on(conn, clock)
-    with conn.transaction():
+    what = f"the limit of {job_type!r}" + ("" if queue == "*" else f" in queue {queue!r}")
+    with conn.transaction(), lock_wait_bounded(conn, what, ("concurrency_limits", "audit_log"), _ACTION_READS):
         ensure_writable(conn)
         known = conn.execute(queries["job_type_known"], {"job_type": job_type}).fetchone()
         if not allow_unknown and not (known and known["known"]):
@@ -643,7 +697,8 @@ def clear_limit(
 ) -> ActionResult:  # fmt: skip
     actor = actor or Actor.current()
     now = now_on(conn, clock)
-    with conn.transaction():
+    what = f"the clearing of the limit of {job_type!r}" + ("" if queue == "*" else f" in queue {queue!r}")
+    with conn.transaction(), lock_wait_bounded(conn, what, ("concurrency_limits", "audit_log")):
         ensure_writable(conn)
         if check_current:
             _check_current_limit(conn, job_type, queue, current)

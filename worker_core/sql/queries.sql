@@ -649,6 +649,33 @@ RETURNING pg_current_xact_id()::text AS xid;
 -- name: xact_status
 SELECT pg_xact_status(%(xid)s::xid8) AS status;
 
+-- name: lock_wait_bound
+-- For the rest of this transaction, a statement waits this long at most for a lock (LockNotAvailable after):
+-- ops.lock_wait_bounded, around an operator action's statements on audit_log, queues, concurrency_limits.
+-- With the setting it replaces, put back after (lock_wait_restore).
+SELECT current_setting('lock_timeout') AS before, set_config('lock_timeout', %(wait)s, true) AS bound;
+
+-- name: lock_wait_restore
+SELECT set_config('lock_timeout', %(before)s, true) AS restored;
+
+-- name: table_lock_holders
+-- The sessions whose locks a statement that gave up on a lock (lock_timeout) may have waited for, the oldest
+-- transaction first (ops.lock_holders): on a table it writes (``writes``), any lock but a reader's ACCESS
+-- SHARE (a row's lock is held by a session holding ROW SHARE or ROW EXCLUSIVE on its table; SHARE and up
+-- lock the table); on one it only reads (``reads``), an ACCESS EXCLUSIVE one. Reads no table: not blocked.
+SELECT a.pid, a.state, extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS seconds,
+       left(regexp_replace(a.query, '[[:space:]]+', ' ', 'g'), 80) AS query
+FROM pg_stat_activity a
+WHERE a.pid <> pg_backend_pid() AND a.pid IN (
+    SELECT l.pid FROM pg_locks l
+    WHERE l.granted AND l.locktype = 'relation'
+      AND ((l.relation = ANY(ARRAY(SELECT to_regclass(t) FROM unnest(%(writes)s::text[]) t))
+            AND l.mode <> 'AccessShareLock')
+           OR (l.relation = ANY(ARRAY(SELECT to_regclass(t) FROM unnest(%(reads)s::text[]) t))
+               AND l.mode = 'AccessExclusiveLock')))
+ORDER BY a.xact_start NULLS LAST, a.pid
+LIMIT 5;
+
 -- name: claim_blockers
 -- The sessions whose locks on job_queue hold claims back (a claim writes: ROW EXCLUSIVE waits behind SHARE
 -- and stronger: a LOCK TABLE, a VACUUM FULL, a CREATE INDEX without CONCURRENTLY), the oldest transaction
