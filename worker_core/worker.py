@@ -25,6 +25,7 @@ import dataclasses
 import datetime as dt
 import heapq
 import json
+import math
 import os
 import queue as queue_mod
 import random
@@ -42,12 +43,12 @@ from psycopg import sql
 from psycopg.types.json import set_json_loads
 from typing_extensions import LiteralString
 
-from worker_core import db, maintenance, policy
+from worker_core import db, maintenance, ops, policy
 from worker_core.clock import SYSTEM_CLOCK, Clock, ServerAlignedClock, SystemClock
 from worker_core.completer import Completer
 from worker_core.context import JobContext
 from worker_core.envelope import QUEUE_RE
-from worker_core.errors import WorkerRefused
+from worker_core.errors import TableLocked, WorkerRefused
 from worker_core.execution import Abandoned, Execution, Slot, UndecodablePayload, array_literal
 from worker_core.locks import LockBackend, lease_seconds, lock_backend
 from worker_core.logs import bound_logger, job_fields
@@ -75,6 +76,9 @@ EXIT_CONFIG = 2
 #: seconds: behind a lock on job_queue, a statement timeout, the server gone): the CLI's code for a database
 #: unreachable or behind a lock
 EXIT_UNAVAILABLE = 3
+#: how long a claim's read of its filters (paused queues, concurrency limits) waits for a lock on queues or
+#: concurrency_limits before the claim goes on with those last read (Worker._refresh_filters_for_claims)
+FILTERS_LOCK_WAIT_SECONDS = 1.0
 #: a worker whose claims found the queue's tables missing (Worker._wait_for_migrations) runs the start check
 #: again after 1 s, then after twice as long each time, up to this
 MIGRATION_RECHECK_MAX_SECONDS = 30.0
@@ -597,7 +601,7 @@ class Worker:
         try:
             conn = self._conn_for_claims()
             if self._filters_at is None:
-                self._refresh_claim_filters(conn)
+                self._refresh_filters_for_claims(conn)
             if self._unheard_since is not None:
                 rows = self._claimed_unheard(conn)  # this round's jobs, if any: the next round claims more
             if not rows and not self._in_flight and self._want_solo:
@@ -755,12 +759,41 @@ class Worker:
         self._refresh_limits(conn)
         with conn.transaction():
             self._paused = [r["name"] for r in conn.execute(queries["paused_queues"])]
-        self._filters_at = time.monotonic()
+        self._filters_at = self._filters_read_at = time.monotonic()
         # a limit of 0 holds its type for as long as it stands; one set or lowered since the last reading
         # gives back once what this worker claimed under the room it had before
         holding = {(t, scope) for t, scope, n in self._limits if n == 0 or n < before.get((t, scope), n + 1)}
         if self._paused or holding:
             self._hold_paused(set(self._paused), holding)
+
+    #: when (monotonic) the claim filters were last read (None: never yet), and when a claim last said that
+    #: it went on with them, their read behind a lock
+    _filters_read_at: float | None = None
+    _filters_locked_said_at = -math.inf
+
+    def _refresh_filters_for_claims(self, conn: db.Conn) -> None:
+        """The claim filters read again before a claim (at the first, and after a pause, resume or limit was
+        notified), waiting FILTERS_LOCK_WAIT_SECONDS at most for a lock on queues or concurrency_limits (the
+        @task limits are written there too). Behind an operator's long transaction holding one, the read waited
+        up to the statement timeout and failed the claim, again at every claim: the worker claimed nothing for
+        as long as the lock was held. Now the filters last read stand, and the claim goes on (the next beat
+        reads them again, under its own bound); said once a minute while it lasts, naming who holds the lock.
+        A worker that has never read them (one starting behind the lock) cannot claim without them (the jobs of
+        a paused queue, of a type held at 0): its claim fails, saying so, and is tried again."""
+        try:
+            with conn.transaction(), ops.lock_wait_bounded(
+                conn, "the read of the claim filters (paused queues, concurrency limits)", ("concurrency_limits",),
+                ("queues",), FILTERS_LOCK_WAIT_SECONDS,
+            ):  # fmt: skip
+                self._refresh_claim_filters(conn)
+        except TableLocked as e:
+            if self._filters_read_at is None:
+                raise
+            at = time.monotonic()
+            self._filters_at = at  # not again before a beat, or the next notification
+            if at >= self._filters_locked_said_at + 60:
+                self._filters_locked_said_at = at
+                self.log.warning("%s Claiming meanwhile with those read %.0f s ago", e, at - self._filters_read_at)
 
     def _hold_paused(self, paused: set[str], holding: set[tuple[str, str]] | None = None) -> None:
         """The jobs of a paused queue, or of a type a limit of 0 holds (the runbook's other "contain it"),
@@ -929,7 +962,8 @@ class Worker:
                 self._failing_since = None
             except Exception as e:  # the worker lives on: a database error, or rows it could not read
                 backoff = min(max(backoff * 2, 0.2), 10.0)
-                why = db.redact(str(e).strip(), self.dsn) if isinstance(e, psycopg.Error) else repr(e)
+                said = isinstance(e, (psycopg.Error, TableLocked))
+                why = db.redact(str(e).strip(), self.dsn) if said else repr(e)
                 self._claim_conn = None
                 if _schema_missing(e):
                     if self._wait_for_migrations(why):
