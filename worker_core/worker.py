@@ -702,16 +702,43 @@ class Worker:
             # the scopes take turns to claim first (claim after claim): the type-wide room would otherwise
             # always go to the first of them with a backlog, and the others starve under the '*' cap
             turn = self._limit_turn % len(order)
-            with conn.transaction():
-                for scope in order:
-                    conn.execute(queries["limit_lock"], {"job_type": job_type, "scope": scope})
-                for scope in order[turn:] + order[:turn]:
-                    if free - len(rows) <= 0:
-                        break
-                    params = {**self._claim_params(free - len(rows)), "job_type": job_type, "scope": scope}
-                    params.update(max_running=scopes[scope], type_max=type_max if scope != "*" else None)
-                    rows += conn.execute(queries["claim_limited"], params).fetchall()
+            got: list[dict[str, Any]] = []  # committed with the type's transaction only
+            try:
+                with conn.transaction():
+                    for scope in order:
+                        conn.execute(queries["limit_lock"], {"job_type": job_type, "scope": scope})
+                    # claim_limited reads concurrency_limits: behind another session's ACCESS EXCLUSIVE lock on
+                    # it, every claim, the other types' too, waited out its statement timeout and failed
+                    conn.execute(queries["lock_wait_bound"], {"wait": f"{round(FILTERS_LOCK_WAIT_SECONDS * 1000)}ms"})
+                    for scope in order[turn:] + order[:turn]:
+                        room = free - len(rows) - len(got)
+                        if room <= 0:
+                            break
+                        params = {**self._claim_params(room), "job_type": job_type, "scope": scope}
+                        params.update(max_running=scopes[scope], type_max=type_max if scope != "*" else None)
+                        got += conn.execute(queries["claim_limited"], params).fetchall()
+            except psycopg.errors.LockNotAvailable:
+                self._say_limits_locked(conn)
+                break  # the limited types wait for the lock; the other types are claimed meanwhile
+            rows += got
         return rows
+
+    _limits_locked_said_at = -math.inf
+
+    def _say_limits_locked(self, conn: db.Conn) -> None:
+        """The limited types' claims gave up on a lock: said once a minute while they do, with who holds it."""
+        at = time.monotonic()
+        if at < self._limits_locked_said_at + 60:
+            return
+        self._limits_locked_said_at = at
+        try:
+            holders = "; ".join(map(str, ops.lock_holders(conn, (), ("concurrency_limits", "job_queue"))))
+        except psycopg.Error as e:
+            holders = f"(could not tell: {db.redact(str(e).strip(), self.dsn)})"
+        self.log.warning(
+            "the claims of the limited types waited %g s for a lock held by %s: claiming the other types meanwhile",
+            FILTERS_LOCK_WAIT_SECONDS, holders or "a session that has ended since",
+        )  # fmt: skip
 
     def refresh_claim_filters(self) -> None:
         """Re-read paused queues and concurrency limits now. Workers do it on every heartbeat and as soon as

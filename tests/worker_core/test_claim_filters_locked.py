@@ -55,3 +55,25 @@ def test_a_worker_starting_behind_a_lock_on_queues_claims_once_it_is_released(
         assert state(dsn, job_id) == "queued"
         locker("")
         wait_for(lambda: state(dsn, job_id) == "succeeded", 60, what="a claim once queues is free")
+
+
+def test_a_worker_with_a_limited_type_claims_the_others_while_concurrency_limits_is_locked(
+    dsn: str, conn: db.Conn, locker: Callable[[str], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    # the limited types' claims come first, and read concurrency_limits: behind the lock, every claim failed
+    from worker_core import ops
+
+    caplog.set_level(logging.WARNING, logger="worker_core")
+    ops.set_limit(conn, "t.ledger", 1, allow_unknown=True)
+    with running_worker(dsn, heartbeat_interval=30, housekeeping=False):
+        limited = enqueue(conn, "t.ledger", {"item": "a"}, idempotency_key="a").id
+        wait_for(lambda: state(dsn, limited) == "succeeded", 30, what="the limits read, a limited job run")
+        locker("concurrency_limits")
+        pid = _pid_of(dsn, "LOCK TABLE concurrency_limits IN ACCESS EXCLUSIVE MODE")
+        held = enqueue(conn, "t.ledger", {"item": "b"}, idempotency_key="b").id
+        other = enqueue(conn, "t.ok", {}).id
+        wait_for(lambda: state(dsn, other) == "succeeded", 60, what="an unlimited job run behind the lock")
+        wait_for(lambda: [r for r in caplog.records if f"pid {pid}" in r.getMessage()], 60, what="the lock said")
+        assert state(dsn, held) == "queued"  # its limit cannot be read: it waits
+        locker("")
+        wait_for(lambda: state(dsn, held) == "succeeded", 60, what="the limited job run once the lock is gone")
