@@ -378,7 +378,10 @@ class Worker:
         database with migrations pending (applied here on the embedded server), or on a read-only server or
         as a role that may not write the queue's tables, is refused before anything starts: NotMigrated or
         WorkerRefused is raised. Without it, it claimed nothing and said so once a second, for ever. Not
-        with ``check_database=False`` (WorkerConfig): the caller checked."""
+        with ``check_database=False`` (WorkerConfig): the caller checked. A worker whose claims later find the
+        queue's tables missing (the database recreated or restored without its migrations, or not reachable when
+        it started) says so once and waits for the migrations, checking again with backoff, or, with ``burst``,
+        stops: see _wait_for_migrations."""
         if self.config.check_database:
             embedded = db.configured_dsn(self.config.dsn) is None
             try:
