@@ -5,10 +5,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
-import re
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
