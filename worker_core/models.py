@@ -253,6 +253,14 @@ class QueueInfo:
     reason: str | None = None
 
 
+#: terminal escape sequences: CSI (colors, cursor moves, clearing the screen), OSC (window titles, the
+#: clipboard), and the short two-character ones. What the console strips from job data (qconsole's
+#: fmt.printable), and what an operator's reason is stored without (ops.reason_text)
+ESCAPE_SEQUENCES = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]|\x9b[0-?]*[ -/]*[@-~]"
+)
+
+
 #: a worker whose heartbeat is older than this (and that did not say goodbye) is lost, whatever its interval
 LOST_AFTER_SECONDS = 30.0
 #: ... and one whose heartbeat is older than this many of its own intervals: one beat may fail, or give up on a

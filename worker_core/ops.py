@@ -7,6 +7,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from worker_core.migrate import (
     load_migrations,
     migrate,
 )
-from worker_core.models import REQUEUEABLE_STATES, ActionResult, JobState
+from worker_core.models import ESCAPE_SEQUENCES, REQUEUEABLE_STATES, ActionResult, JobState
 from worker_core.producer import NotMigrated
 from worker_core.sql import queries
 
@@ -262,6 +263,20 @@ def _ids(job_ids: Iterable[uuid.UUID | str]) -> list[uuid.UUID]:
     return list(dict.fromkeys(out))
 
 
+#: runs of control characters (C0, DEL, C1: a newline, a tab, an escape sequence's ESC) in an operator's reason
+_CONTROL_RUN = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+
+
+def reason_text(reason: str | None) -> str | None:
+    """An operator's reason as it is stored (audit_log, concurrency_limits, a killed job's error): one line,
+    escape sequences removed, each run of other control characters one space, trimmed; None when nothing is
+    left. Every display stripped them, but ``--json``, the audit table read with psql, and log lines carried a
+    pasted newline or an escape sequence as typed."""
+    if reason is None:
+        return None
+    return _CONTROL_RUN.sub(" ", ESCAPE_SEQUENCES.sub("", reason)).strip() or None
+
+
 def _audit(
     conn: Conn,
     now: Any,
@@ -345,6 +360,7 @@ def requeue(
     discard. ``if_payload``: only a job whose payload is still this one (the one a fix was made from: the
     console's editor), else it is skipped, saying so: two engineers' fixes, the second made from the payload
     the first had already corrected, replaced it unseen."""
+    reason = reason_text(reason)
     ids = _ids(job_ids)
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_MAX_ATTEMPTS:
         raise ValueError(f"budget must be an integer between 1 and {MAX_MAX_ATTEMPTS}")
@@ -450,6 +466,7 @@ def kill(
 ) -> ActionResult:
     """Waiting jobs -> cancelled now; running jobs are flagged and cancelled by their worker within one
     heartbeat (or by the next claim, if their worker is gone). Never retried."""
+    reason = reason_text(reason)
     ids = _ids(job_ids)
     actor = actor or Actor.current()
     now = now_on(conn, clock)
@@ -489,6 +506,7 @@ def discard(
     """dead_lettered | failed -> cancelled: dead letters an operator gives up on (a payload that can never
     succeed) leave the dead-letter screen and counts, never to run again; a requeue brings one back. Their
     error history keeps what they died of, and the discard (``Discarded``, who, why)."""
+    reason = reason_text(reason)
     ids = _ids(job_ids)
     actor = actor or Actor.current()
     now = now_on(conn, clock)
@@ -529,6 +547,7 @@ def set_paused(
     """Pause or resume a queue. A queue (but ``default``) no job, worker, type or earlier pause names is refused unless
     ``allow_unknown``: "resume biling" reported success, nothing audited as wrong, while billing stayed
     paused through the incident."""
+    reason = reason_text(reason)
     if not QUEUE_RE.match(queue):
         raise ValueError(f"{queue!r} is not a queue name")
     actor = actor or Actor.current()
@@ -580,6 +599,7 @@ def audit_worker(
     else is written: the console starts or stops the worker itself, before this, and a write that fails stops
     neither. The queue column names the worker's queue when it has only one (read beside a pause of that
     queue); its queues are all in the detail. ``token`` as with requeue."""
+    reason = reason_text(reason)
     if action not in WORKER_ACTIONS:
         raise ValueError(f"{action!r} is not a worker action: worker_start or worker_stop")
     actor = actor or Actor.current()
@@ -633,6 +653,7 @@ def set_limit(
     requeue. ``check_current``: only if the limit there is still ``current`` (None: none), as read when the
     change was made (the console's form), else ChangedMeanwhile and nothing changes: a hold another operator
     set while the form was open was replaced unseen."""
+    reason = reason_text(reason)
     if isinstance(max_running, bool) or not isinstance(max_running, int) or not 0 <= max_running <= MAX_LIMIT:
         raise ValueError(f"a concurrency limit must be an integer between 0 and {MAX_LIMIT}")
     if queue != "*" and not QUEUE_RE.match(queue):
@@ -695,6 +716,7 @@ def clear_limit(
     clock: Clock = SYSTEM_CLOCK, token: str | None = None, check_current: bool = False,
     current: int | None = None,
 ) -> ActionResult:  # fmt: skip
+    reason = reason_text(reason)
     actor = actor or Actor.current()
     now = now_on(conn, clock)
     what = f"the clearing of the limit of {job_type!r}" + ("" if queue == "*" else f" in queue {queue!r}")

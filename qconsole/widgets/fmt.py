@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from worker_core.models import JobState
+from worker_core.models import ESCAPE_SEQUENCES, JobState
 
 #: state -> (symbol, short name). Symbols let a NO_COLOR terminal tell states apart.
 STATE_MARKS: dict[str, tuple[str, str]] = {
@@ -111,9 +111,6 @@ def rate(per_min: float) -> str:
     return f"{per_min:.0f}"
 
 
-#: terminal escape sequences: CSI (colors, cursor moves, clearing the screen), OSC (window titles, the
-#: clipboard), and the short two-character ones
-_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]|\x9b[0-?]*[ -/]*[@-~]")
 #: what else a terminal would act on: C0 controls but tab and newline, DEL, C1 controls
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
@@ -126,7 +123,7 @@ def printable(text: str) -> str:
     >>> printable("ok\\x1b[2J\\x1b]0;pwned\\x07 done\\x00")
     'ok done\ufffd'
     """
-    return _CONTROLS.sub("\ufffd", _ESCAPES.sub("", text))
+    return _CONTROLS.sub("\ufffd", ESCAPE_SEQUENCES.sub("", text))
 
 
 def clip(text: str, width: int) -> str:
