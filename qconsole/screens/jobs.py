@@ -74,15 +74,22 @@ class JobsScreen(ConsoleScreen):
     TITLE_TEXT = "Jobs"
     HELP = (
         "Newest activity first; n: the waiting jobs in the order workers claim them (the head of the queue"
-        f" first). Filters: state, type, queue; / searches ids, keys and error text. ] and [: the next and"
-        f" the previous {LIMIT} jobs of the list (a page stays where it is while the list moves on)."
+        f" first). Filters: state, type, queue; / searches ids, keys and error text. x clears the state, type"
+        " and queue filters, the search kept (it then shows what it finds outside them); x again, with none of"
+        f" them set, clears the search too: x x is the whole list. ] and [: the next and the previous {LIMIT}"
+        " jobs of the list (a page stays where it is while the list moves on)."
     )
 
     BINDINGS = [
         Binding("slash", "search", "Search", key_display="/"),
         Binding("enter", "open", "Open job", show=False),  # for the help screen: the table's is shown
         Binding("escape", "leave_filters", "Table", show=False),
-        Binding("x", "clear_filters", "Clear filters", tooltip="Clear the state, type and queue filters"),
+        Binding(
+            "x",
+            "clear_filters",
+            "Clear filters",
+            tooltip="Clear the state, type and queue filters (the search stays); with none set, the search",
+        ),
         Binding("n", "next_first", "Next to run", tooltip="The waiting jobs in claim order (n again: newest first)"),
         Binding("right_square_bracket", "next_page", "Next page", key_display="]", tooltip=f"The next {LIMIT} jobs"),
         Binding("left_square_bracket", "previous_page", "Prev page", key_display="[", tooltip="The page before"),
@@ -203,8 +210,13 @@ class JobsScreen(ConsoleScreen):
         self.query_one(LiveTable).focus()
 
     def action_clear_filters(self) -> None:
-        """Drop the state, type and queue filters; the search stays (and the order)."""
-        self.set_filter(search=self.filter.search, next_first=self.filter.next_first)
+        """Drop the state, type and queue filters, the search kept: what it finds outside them is then shown
+        (the status line's "x clears them"). With none of them set, drop the search: x x is the whole list (the
+        search text stayed in its box, the list narrowed, after the "Clear filters" an operator asked for).
+        The order (n) stays."""
+        f = self.filter
+        search = f.search if f.narrowed else None
+        self.set_filter(search=search, next_first=f.next_first)
 
     def action_next_first(self) -> None:
         """The waiting jobs in claim order, the head of the queue first; again: newest activity first."""
@@ -301,7 +313,8 @@ class JobsScreen(ConsoleScreen):
         if elsewhere is not None:
             status.append(" │ ")
             status.append_text(self._elsewhere(f, elsewhere))
-        status.append(f" │ {f.describe()} │ enter opens, / searches")
+        keys = "enter opens, x clears the search" if f.search and not f.narrowed else "enter opens, / searches"
+        status.append(f" │ {f.describe()} │ {keys}")
         self.query_one("#jobs-status", Static).update(status)
         # new job types or queues may have appeared
         self.qapp.known_types = sorted(set(self.qapp.known_types) | {j.job_type for j in jobs})

@@ -889,3 +889,41 @@ def test_the_question_counts_the_jobs_it_read_and_says_how_many_moved_on_since_t
 
     run_async(scenario())
     assert [name for name, _ in backend.calls if name == "requeue"] == []
+
+
+def test_x_clears_the_filters_then_the_search_as_the_help_says() -> None:
+    # x ("Clear filters") kept the search: the box still held its text and the list stayed narrowed, with no
+    # key to get the whole list back but editing the box. Now x clears state, type and queue (the search kept,
+    # to show what it finds outside them), and x again the search: the help says both
+    from textual.widgets import Input
+
+    from qconsole.screens.help import HelpScreen
+    from qconsole.screens.jobs import JobsScreen
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "j", JobsScreen)
+            box = screen.query_one("#f-search", Input)
+            status = screen.query_one("#jobs-status")
+            screen.set_filter(state="dead_lettered", job_type="email.send", search="upstream")
+            await settle(pilot)
+            assert len(screen.jobs) == 1
+            await pilot.press("x")
+            await settle(pilot)
+            assert (screen.filter.state, screen.filter.job_type, screen.filter.search) == (None, None, "upstream")
+            assert box.value == "upstream" and "x clears the search" in str(status.content)
+            await pilot.press("x")
+            await settle(pilot)
+            assert screen.filter.search is None and box.value == ""
+            assert len(screen.jobs) == len(FakeBackend().jobs) and "all jobs" in str(status.content)
+            await pilot.press("question_mark")
+            await settle(pilot)
+            assert isinstance(app.screen, HelpScreen)
+            said = " ".join(JobsScreen.HELP.split())
+            assert "x clears the state, type and queue filters, the search kept" in said
+            assert "x again, with none of them set, clears the search too" in said
+
+    run_async(scenario())
