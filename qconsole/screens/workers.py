@@ -77,6 +77,10 @@ class WorkersScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self.query_one(LiveTable).focus()
 
+    def on_screen_resume(self) -> None:
+        # (Textual runs ConsoleScreen's handler too, which reads): the crashes the title bar counted are in view
+        self.qapp.crashes_seen()
+
     def fetch(self, backend: ConsoleBackend) -> list[WorkerInfo]:
         return backend.workers()
 

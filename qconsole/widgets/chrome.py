@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 class TitleBar(Static):
-    """``qconsole │ Overview │ READ-ONLY │ ⟳ requeue… │ data 12:00:00 UTC │ source``: one line."""
+    """``qconsole │ Overview │ READ-ONLY │ ⟳ requeue… │ ☠ 2 crashes (w) │ data 12:00:00 UTC │ source``: one
+    line. The source comes last: at 80 columns it is what is cut."""
 
     DEFAULT_CSS = """
     TitleBar {
@@ -39,6 +40,7 @@ class TitleBar(Static):
         self.watch(self.app, "last_ok", self._paint, init=True)
         self.watch(self.app, "db_error", self._paint, init=False)
         self.watch(self.app, "acting", self._paint, init=False)
+        self.watch(self.app, "crashes_unseen", self._paint, init=False)
 
     def repaint(self) -> None:
         self._paint()
@@ -58,6 +60,10 @@ class TitleBar(Static):
             t.append(" │ ")
         if app.acting:
             t.append(f"⟳ {', '.join(app.acting)}…", style="bold")
+            t.append(" │ ")
+        if app.crashes_unseen:
+            n = app.crashes_unseen
+            t.append(f"☠ {n} crash{'es' if n != 1 else ''} (w)", style="bold reverse")
             t.append(" │ ")
         at = _data_at(self)
         t.append(f"data {fmt.hms(at)} UTC" if at else "loading…")
