@@ -302,11 +302,12 @@ class JobsScreen(ConsoleScreen):
                         cell(fmt.clip(j.queue, 12 if wide else 8)),
                         cell(f"{j.attempts}/{j.max_attempts}", right=True),
                         cell(fmt.ago(j.updated_at, now).replace(" ago", ""), right=True),
-                        cell(fmt.clip(j.last_error or "", 60 if wide else 24)),
+                        cell(fmt.clip(j.last_error or "", 60)),
                     ],
                 )
             )
-        self.query_one(LiveTable).set_rows(rows, shows=(f, page))
+        table = self.query_one(LiveTable)
+        table.set_rows(table.fit_last(rows), shows=(f, page))  # the error cut to fit: its detail has it whole
         status = Text(no_wrap=True, overflow="ellipsis")
         status.append(f" {len(jobs)} job(s)", style="bold")
         status.append(self._page_hint(f, page, len(jobs)))

@@ -140,7 +140,9 @@ class WorkersScreen(ConsoleScreen):
                     ],
                 )
             )
-        self.query_one(LiveTable).set_rows(self._fit_types(rows + ended))
+        table = self.query_one(LiveTable)
+        # the job types (the last column) cut to fit: the selected worker's are said in full below the table
+        table.set_rows(table.fit_last(rows + ended))
         live = sum(1 for w in self.db_workers if w.stopped_at is None and not w.lost)
         lost = sum(1 for w in self.db_workers if w.lost)
         t = Text(no_wrap=True, overflow="ellipsis")
@@ -153,21 +155,6 @@ class WorkersScreen(ConsoleScreen):
         t.append(" │ claimed: running + prefetched jobs")
         self.query_one("#wk-summary", Static).update(t)
         self._paint_log()
-
-    def _fit_types(self, rows: list[tuple[str, list[Text]]]) -> list[tuple[str, list[Text]]]:
-        """The rows with their job types (the last column) cut to the width the other columns leave (at least
-        12): a table wider than the screen hid its right end; the selected worker's are said in full below."""
-        widths = [len(label) + 1 for _, label, _ in COLUMNS[:-1]]
-        for _, cells in rows:
-            widths = [max(n, c.cell_len) for n, c in zip(widths, cells, strict=False)]
-        room = max(12, (self.size.width or 80) - sum(widths) - 1)
-        out = []
-        for key, cells in rows:
-            last = cells[-1]
-            if last.cell_len > room:
-                last = cell(fmt.clip(last.plain[1:], room - 1), style=last.style)
-            out.append((key, [*cells[:-1], last]))
-        return out
 
     def info_of(self, e: EmbeddedWorker) -> WorkerInfo | None:
         """The worker row of a running embedded worker (its process's), once it has registered."""

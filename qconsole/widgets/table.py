@@ -137,18 +137,36 @@ class LiveTable(DataTable[Any]):
         return {i: self.columns[ColumnKey(key)] for i, (key, _, width) in enumerate(self._column_spec) if width is None}
 
     def _fit_columns(self, rows: list[list[Any]]) -> None:
-        """The content-sized columns widened now to their widest cell, before anything is drawn. The DataTable
-        measures them when it is next idle, after a paint whose lines it keeps (its caches do not know the
-        widths): a table drawn with its header's widths kept them until its next change. Widths only grow,
-        as the DataTable's do: a column does not jump back and forth as its values change length."""
+        """The content-sized columns set now to their widest cell (or their label), before anything is drawn.
+        The DataTable measures them when it is next idle, after a paint whose lines it keeps (its caches do not
+        know the widths): a table drawn with its header's widths kept them until its next change. And it only
+        ever widens them (its clear() keeps them): a table fitted to the screen (fit_last) overflowed it by
+        what a row gone meanwhile had needed. Between two rebuilds (_update_in_place) a column only widens:
+        it does not jump back and forth as its values change length."""
         for i, column in self._auto_columns().items():
             widest = max((_width(cells[i]) for cells in rows if i < len(cells)), default=0)
-            column.content_width = max(column.content_width, widest)
+            column.content_width = max(column.label.cell_len, widest)
 
     def clear(self, columns: bool = False) -> LiveTable:
         self._cells = {}
         super().clear(columns)
         return self
+
+    def fit_last(self, rows: list[tuple[str, list[Text]]], least: int = 12) -> list[tuple[str, list[Text]]]:
+        """The rows with their last column (cells made by :func:`cell`) cut to the width the other columns leave,
+        at least ``least``: a table wider than the screen hid its right end at 80 columns (the rest of the line
+        off screen, a horizontal scroll bar over the last row)."""
+        widths = [len(label) + 1 for _, label, _ in self._column_spec[:-1]]
+        for _, cells in rows:
+            widths = [max(n, c.cell_len) for n, c in zip(widths, cells, strict=False)]
+        room = max(least, (self.size.width or self.app.size.width) - sum(widths) - 1)  # 1: the scroll bar
+        out = []
+        for key, cells in rows:
+            last = cells[-1]
+            if last.cell_len > room:
+                last = cell(fmt.clip(last.plain[1:], room - 1), style=last.style)
+            out.append((key, [*cells[:-1], last]))
+        return out
 
     def select_key(self, key: str) -> None:
         """Put the cursor on the row with this key, if there is one."""

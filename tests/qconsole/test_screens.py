@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.errors import QueryCanceled
+from rich.text import Text
 from textual.widgets import Log
 
 from qconsole.backend import ActionLost
@@ -925,5 +926,55 @@ def test_x_clears_the_filters_then_the_search_as_the_help_says() -> None:
             said = " ".join(JobsScreen.HELP.split())
             assert "x clears the state, type and queue filters, the search kept" in said
             assert "x again, with none of them set, clears the search too" in said
+
+    run_async(scenario())
+
+
+@pytest.mark.parametrize("key", ["o", "j", "d", "w", "a", "t"])
+def test_at_80x24_every_list_fits_the_screen_and_every_key_shown_is_whole(key: str) -> None:
+    # at 80x24 the jobs list ran 4 columns past the screen (its last error cut with no mark, a scroll bar over
+    # its last row), and the key line ended "^p Pal"
+    from textual.widgets._footer import FooterKey
+
+    from qconsole.widgets.keys import KeyLine
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press(key)
+            await settle(pilot)
+            table = app.screen.query_one(LiveTable)
+            assert table.row_count and table.virtual_size.width <= table.scrollable_content_region.width, (
+                table.virtual_size,
+                table.scrollable_content_region,
+            )
+            for line in app.screen.query(KeyLine):
+                keys = list(line.query(FooterKey))
+                assert keys or line.scope == "screen"  # the audit log has no keys of its own
+                assert all(k.region.right <= line.region.right for k in keys), [k.label for k in keys]
+
+    run_async(scenario())
+
+
+def test_a_tables_columns_narrow_again_when_its_wide_rows_are_gone() -> None:
+    # a column's width only grew (Textual keeps it across clear()): the workers' table, fitted to the screen on
+    # the rows it holds, ran past it once a wider row (a worker ◌ stopping) had come and gone
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "w", WorkersScreen)
+            table = screen.query_one(LiveTable)
+            narrow = table.virtual_size.width
+            wide = [("x", [*[Text(" " + "w" * 30)] * 7, Text(" r")])]
+            table.set_rows(wide)
+            await pilot.pause()
+            assert table.virtual_size.width > narrow
+            screen.reload()
+            await settle(pilot)
+            assert table.virtual_size.width == narrow
 
     run_async(scenario())
