@@ -978,3 +978,21 @@ def test_a_tables_columns_narrow_again_when_its_wide_rows_are_gone() -> None:
             assert table.virtual_size.width == narrow
 
     run_async(scenario())
+
+
+def test_workers_at_60x15_keep_the_title_the_summary_and_some_rows() -> None:
+    # the output pane's 8 rows pushed the title bar and the summary off a 60x15 screen, and left 2 rows of table
+    from qconsole.widgets.chrome import TitleBar
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=(60, 15)) as pilot:
+            await settle(pilot)
+            screen = await opened(pilot, "w", WorkersScreen)
+            assert screen.query_one(TitleBar).region.y == 0 and screen.query_one("#wk-summary").region.y == 1
+            table = screen.query_one(LiveTable)
+            assert table.region.height >= 4 and screen.query_one(Log).region.height >= 3
+            assert screen.scroll_y == 0 and screen.virtual_size.height <= 15
+
+    run_async(scenario())
