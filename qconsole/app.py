@@ -323,7 +323,9 @@ class QConsoleApp(App[int]):
         sections: list[tuple[str, str, list[BindingType]]] = [("Everywhere", everywhere, list(self.BINDINGS))]
         for cls in (*self.MODES.values(), JobDetailScreen):
             if isinstance(cls, type) and issubclass(cls, ConsoleScreen):
-                sections.append((cls.TITLE_TEXT, cls.HELP, list(cls.BINDINGS)))
+                # its own keys: the charts and the audit log, which have none, listed Textual's Screen keys
+                # (tab, shift+tab, "ctrl+c,super+c Copy selected text") as theirs
+                sections.append((cls.TITLE_TEXT, cls.HELP, list(cls.__dict__.get("BINDINGS", []))))
         self.push_screen(HelpScreen(sections))
 
     def open_jobs(self, **filters: Any) -> None:

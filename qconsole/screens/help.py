@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.cells import cell_len
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -49,21 +51,26 @@ class HelpScreen(ModalScreen[None]):
         self.sections = sections
 
     def compose(self) -> ComposeResult:
-        table = Table.grid(padding=(0, 2))
-        table.add_column(no_wrap=True)
-        table.add_column(style="bold", no_wrap=True, justify="right")
-        table.add_column()
-        for title, about, bindings in self.sections:
-            rows = _rows(bindings)
-            if not rows and not about:
-                continue
-            table.add_row(Text(title, style="bold underline"), "", Text(about, style="italic"))
+        # each section's title on a line of its own and its text across the whole box, then its keys: in three
+        # columns (title, key, text) the text had 40 of the 72 columns at 80x24, a line of help per 5 words
+        sections = [(title, about, _rows(bindings)) for title, about, bindings in self.sections]
+        sections = [s for s in sections if s[1] or s[2]]
+        sections.append(("Also", "", [("ctrl+p", "command palette: every action above, by name")]))
+        key_width = max(cell_len(key) for _, _, rows in sections for key, _ in rows)
+        parts: list[RenderableType] = []
+        for title, about, rows in sections:
+            parts.append(Text(title, style="bold underline"))
+            if about:
+                parts.append(Text(about, style="italic"))
+            keys = Table.grid(padding=(0, 2))
+            keys.add_column(style="bold", no_wrap=True, justify="right", width=key_width)
+            keys.add_column()
             for key, desc in rows:
-                table.add_row("", key, desc)
-        table.add_row("", "", "")
-        table.add_row(Text("Also", style="bold underline"), "ctrl+p", "command palette: every action above, by name")
+                keys.add_row(key, desc)
+            parts.append(keys)
+            parts.append(Text(""))
         with VerticalScroll():
-            yield Static(table)
+            yield Static(Group(*parts[:-1]))
 
     def on_mount(self) -> None:
         self.query_one(VerticalScroll).border_title = "Keys (esc closes)"

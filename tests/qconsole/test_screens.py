@@ -996,3 +996,26 @@ def test_workers_at_60x15_keep_the_title_the_summary_and_some_rows() -> None:
             assert screen.scroll_y == 0 and screen.virtual_size.height <= 15
 
     run_async(scenario())
+
+
+def test_the_help_gives_each_screens_text_the_whole_width_and_lists_only_the_consoles_keys() -> None:
+    # at 80x24 the help's text had 40 of its 72 columns (a column of titles, one of keys beside it), and the
+    # charts and the audit log listed Textual's own screen keys as theirs (tab, "ctrl+c,super+c Copy selected")
+    from textual.widgets import Static
+
+    from qconsole.screens.help import HelpScreen
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            help_screen = await opened(pilot, "question_mark", HelpScreen)
+            static = help_screen.query_one(Static)
+            lines = [line.text for line in static.render_lines(static.region.reset_offset)]
+            text = "\n".join(lines)
+            assert "Copy selected text" not in text and "Focus Previous" not in text
+            first = "An action that changes rows asks first: y does it, r"  # 52 columns: it had 40
+            assert any(line.strip().startswith(first) for line in lines)
+
+    run_async(scenario())
