@@ -314,7 +314,8 @@ class JobsScreen(ConsoleScreen):
         if elsewhere is not None:
             status.append(" │ ")
             status.append_text(self._elsewhere(f, elsewhere))
-        keys = "enter opens, x clears the search" if f.search and not f.narrowed else "enter opens, / searches"
+        # short: at 80 columns a search of 200 matches left no room for more
+        keys = "x clears the search" if f.search and not f.narrowed else "enter opens, / searches"
         status.append(f" │ {f.describe()} │ {keys}")
         self.query_one("#jobs-status", Static).update(status)
         # new job types or queues may have appeared
