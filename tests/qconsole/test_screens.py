@@ -982,7 +982,10 @@ def test_a_tables_columns_narrow_again_when_its_wide_rows_are_gone() -> None:
 
 def test_workers_at_60x15_keep_the_title_the_summary_and_some_rows() -> None:
     # the output pane's 8 rows pushed the title bar and the summary off a 60x15 screen, and left 2 rows of table
+    from textual.widgets._footer import FooterKey
+
     from qconsole.widgets.chrome import TitleBar
+    from qconsole.widgets.keys import KeyLine
 
     app = fake_app()
 
@@ -994,6 +997,10 @@ def test_workers_at_60x15_keep_the_title_the_summary_and_some_rows() -> None:
             table = screen.query_one(LiveTable)
             assert table.region.height >= 4 and screen.query_one(Log).region.height >= 3
             assert screen.scroll_y == 0 and screen.virtual_size.height <= 15
+            # the app's keys that fit whole, ? (which lists them all) among them, though it comes late in the line
+            [line] = [k for k in screen.query(KeyLine) if k.scope == "app"]
+            keys = list(line.query(FooterKey))
+            assert "help" in [k.action for k in keys] and all(k.region.right <= 60 for k in keys)
 
     run_async(scenario())
 
