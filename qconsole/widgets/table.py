@@ -152,14 +152,19 @@ class LiveTable(DataTable[Any]):
         super().clear(columns)
         return self
 
+    def room_for_last(self, rows: Sequence[tuple[str, Sequence[Text]]], least: int = 12) -> int:
+        """The columns the last column has, gutter included, beside the others' as ``rows`` fill them (at least
+        ``least``)."""
+        widths = [len(label) + 1 for _, label, _ in self._column_spec[:-1]]
+        for _, cells in rows:
+            widths = [max(n, c.cell_len) for n, c in zip(widths, cells, strict=False)]
+        return max(least, (self.size.width or self.app.size.width) - sum(widths) - 1)  # 1: the scroll bar
+
     def fit_last(self, rows: list[tuple[str, list[Text]]], least: int = 12) -> list[tuple[str, list[Text]]]:
         """The rows with their last column (cells made by :func:`cell`) cut to the width the other columns leave,
         at least ``least``: a table wider than the screen hid its right end at 80 columns (the rest of the line
         off screen, a horizontal scroll bar over the last row)."""
-        widths = [len(label) + 1 for _, label, _ in self._column_spec[:-1]]
-        for _, cells in rows:
-            widths = [max(n, c.cell_len) for n, c in zip(widths, cells, strict=False)]
-        room = max(least, (self.size.width or self.app.size.width) - sum(widths) - 1)  # 1: the scroll bar
+        room = self.room_for_last(rows, least)
         out = []
         for key, cells in rows:
             last = cells[-1]

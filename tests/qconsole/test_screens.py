@@ -819,6 +819,9 @@ def test_dead_letter_groups_whose_errors_begin_alike_read_apart_at_80x24() -> No
             assert all(e.startswith("PermanentE") for e in errors[:2])
             # one error, dead and still retrying: alike, rightly, and clipped at its end
             assert errors[2] == errors[3] == "TransientError: upstream <n> …"
+            # a job type of 16 letters (the demo's invoice.generate) is whole: "invoice.gener…" at 80 columns
+            assert str(table.get_row_at(0)[2]).strip() == "invoice.generate"
+            assert table.virtual_size.width <= table.scrollable_content_region.width
 
     run_async(scenario())
 
