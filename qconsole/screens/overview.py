@@ -179,10 +179,10 @@ class OverviewScreen(ConsoleScreen):
         held = sorted({x.job_type for x in ov.types if x.concurrency_limit == 0})
         if held:
             t.append(f" │ {fmt.PAUSED}0 held by limit 0: {', '.join(held)}", style="bold")
+        if not ov.types:  # before the legends: last, it was cut at 80 columns, the screen empty with no word why
+            t.append(" │ no jobs yet", style="bold")
         t.append(f" │ rates/min over {ov.window_minutes}m")
         t.append(f" │ {fmt.WARN} lag>{fmt.duration(th.lag_seconds)} or dlq>{th.dlq_per_min:g}/m")
-        if not ov.types:
-            t.append(" │ no jobs yet")
         self.query_one("#ov-summary", Static).update(t)
 
     def selected(self) -> TypeStats | None:

@@ -1029,3 +1029,27 @@ def test_the_help_gives_each_screens_text_the_whole_width_and_lists_only_the_con
             assert any(line.strip().startswith(first) for line in lines)
 
     run_async(scenario())
+
+
+class NoJobsYet(FakeBackend):
+    def overview(self) -> Any:
+        data = super().overview()
+        data.overview.types.clear()
+        data.overview.queues.clear()
+        return data
+
+
+def test_an_empty_overview_says_no_jobs_yet_where_80_columns_show_it() -> None:
+    # "no jobs yet" came after the legends, past the 80th column: an empty screen, and no word why
+    from textual.widgets import Static
+
+    app = fake_app(NoJobsYet())
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            summary = app.screen.query_one("#ov-summary", Static)
+            [line] = summary.render_lines(summary.region.reset_offset)[:1]
+            assert "│ no jobs yet │" in line.text, line.text
+
+    run_async(scenario())
