@@ -1053,3 +1053,22 @@ def test_an_empty_overview_says_no_jobs_yet_where_80_columns_show_it() -> None:
             assert "│ no jobs yet │" in line.text, line.text
 
     run_async(scenario())
+
+
+def test_a_job_types_long_reason_leaves_its_overrides_in_view_at_80x24() -> None:
+    # the detail had 2 rows: a reason wrapped to two (the demo's are long) hid the overrides and who registered it
+    from textual.widgets import Static
+
+    app = fake_app()
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            await pilot.press("t", "down")  # image.resize: "why: a poison payload must reach dead letters ..."
+            await settle(pilot)
+            detail = app.screen.query_one("#contracts-detail", Static)
+            shown = "\n".join(line.text for line in detail.render_lines(detail.region.reset_offset))
+            assert "why: a poison payload" in shown and "dead letters after two" in shown and "crashes" in shown
+            assert "overrides: max_attempts=2" in shown and "registered by web-1:4242:w0.1" in shown
+
+    run_async(scenario())
