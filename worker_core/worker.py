@@ -995,11 +995,14 @@ class Worker:
                 said = isinstance(e, (psycopg.Error, TableLocked))
                 why = db.redact(str(e).strip(), self.dsn) if said else repr(e)
                 self._claim_conn = None
-                if _schema_missing(e):
-                    if self._wait_for_migrations(why):
-                        break
+                waited = self._wait_for_migrations(why) if _schema_missing(e) else None
+                if waited is True:
+                    break
+                if waited is False:  # migrated again: claim at once
                     backoff = 0.0
                     continue
+                # None: the start check finds nothing wrong (a table dropped by hand, a bug): said and retried
+                # with the backoff, as any other claim failure, never claimed again at once in a loop
                 if self._give_up(claimed_at, "claim", why, e):
                     break
                 self.log.warning("claim failed (%s); retrying in %.1fs", why, backoff)
@@ -1033,7 +1036,7 @@ class Worker:
     #: what the claims found missing, while the worker waits for the migrations (None: it does not)
     not_migrated: str | None = None
 
-    def _wait_for_migrations(self, why: str) -> bool:
+    def _wait_for_migrations(self, why: str) -> bool | None:
         """A claim named a table or column the database does not have (``why``): it was recreated or restored
         without its migrations, or the worker could not check it at its start (unreachable then). Claiming
         again and again failed the same way, a warning every 10 s for ever, and the heartbeat's every beat.
@@ -1042,14 +1045,16 @@ class Worker:
         is wrong, once, with the fix. A burst worker then stops: run() returns EXIT_UNAVAILABLE (the CLI's code
         for a database not migrated). Another claims nothing, and runs the check again after 1 s, then twice
         as long each time, up to MIGRATION_RECHECK_MAX_SECONDS, saying what it finds only when that changes;
-        once it passes, it says so and claims again. Returns whether the worker stops."""
+        once it passes, it says so and claims again. Returns whether the worker stops; None, at once, when the
+        check finds nothing wrong (what is missing is not what the migrations make: the claim's failure is said
+        and retried as any other's)."""
         what = (why.splitlines() or [""])[0]  # not the LINE 3: ... and caret lines of the statement's context
         said = self._database_problem(
             f"the database is not migrated for this worker ({what}): run `qconsole migrate` (as the schema's"
             " owner), or check that the DSN names the queue's database"
         )
-        if said is None:  # migrated meanwhile (a restore that just ended): claim again
-            return False
+        if said is None:  # migrated meanwhile (a restore that just ended), or nothing the check knows of
+            return None
         self.not_migrated = said
         if self.config.burst:
             self.gave_up = f"a claim failed ({what}): {said}"

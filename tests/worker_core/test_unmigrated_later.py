@@ -72,3 +72,20 @@ def test_a_burst_worker_that_finds_no_tables_stops_with_why(empty_dsn: str, capl
     assert wt.join(60) == EXIT_UNAVAILABLE
     assert wt.worker.gave_up is not None and "run `qconsole migrate`" in wt.worker.gave_up
     assert len([r for r in caplog.records if "qconsole migrate" in r.getMessage()]) == 1
+
+
+def test_a_column_missing_that_the_start_check_cannot_see_is_retried_with_backoff_not_in_a_loop(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # migrated as far as schema_migrations says, a column dropped by hand: the check passes, the claim fails.
+    # The claim was made again at once after each passing check: a connection and a check per turn, in a loop
+    caplog.set_level(logging.WARNING, logger="worker_core")
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("ALTER TABLE job_queue DROP COLUMN suspect CASCADE")
+    with running_worker(dsn, heartbeat_interval=0.5, housekeeping=False, poll_interval=0.05) as w:
+        wait_for(lambda: len([r for r in caplog.records if "claim failed" in r.getMessage()]) >= 3, 30,
+                 what="three claims failed and said")  # fmt: skip
+        assert w.not_migrated is None
+    failed = [r.getMessage() for r in caplog.records if "claim failed" in r.getMessage()]
+    assert 'column "suspect" does not exist' in failed[0] or "suspect" in failed[0], failed[0]
+    assert len(failed) < 30, f"{len(failed)} claims failed in a row: retried at once, not with the backoff"
