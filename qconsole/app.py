@@ -35,6 +35,7 @@ from qconsole.screens.help import HelpScreen
 from qconsole.screens.job_detail import JobDetailScreen
 from qconsole.screens.jobs import JobsScreen
 from qconsole.screens.overview import OverviewScreen
+from qconsole.screens.payload_fix import PayloadDraft
 from qconsole.screens.workers import WorkersScreen
 from qconsole.widgets import fmt
 from worker_core import db
@@ -119,9 +120,9 @@ class QConsoleApp(App[int]):
         self.cursor_blink = cursor_blink
         self.known_queues: list[str] = []
         self.known_types: list[str] = []
-        #: per job, the text of a payload fix (E on its detail) whose requeue did not go through: E shows it
-        #: again (a failed requeue lost a fix made by hand)
-        self.payload_drafts: dict[uuid.UUID, str] = {}
+        #: per job, a payload fix (E on its detail) whose requeue did not go through, and its reason: E shows
+        #: them again (a failed requeue lost a fix made by hand)
+        self.payload_drafts: dict[uuid.UUID, PayloadDraft] = {}
         self.pending_job_filter: dict[str, Any] | None = None
         #: q was pressed, and the embedded workers are being stopped
         self._quitting = False

@@ -310,7 +310,7 @@ class JobDetailScreen(ConsoleScreen):
         if self.qapp.read_only:
             self.qapp.refuse_read_only("requeue")
             return
-        from qconsole.screens.payload_fix import PayloadFix, PayloadFixScreen
+        from qconsole.screens.payload_fix import PayloadDraft, PayloadFix, PayloadFixScreen
 
         drafts = self.qapp.payload_drafts
 
@@ -319,7 +319,7 @@ class JobDetailScreen(ConsoleScreen):
                 drafts.pop(job.id, None)
                 self.notify("Requeue cancelled: nothing changed.", markup=False)
                 return
-            drafts[job.id] = fix.text  # until the requeue is done: failed, E shows the fix again
+            drafts[job.id] = PayloadDraft(fix.text, fix.reason)  # until the requeue is done: failed, E shows it again
 
             def done(r: ActionResult) -> str:
                 drafts.pop(job.id, None)

@@ -32,6 +32,15 @@ class PayloadFix:
     text: str
 
 
+@dataclass(frozen=True)
+class PayloadDraft:
+    """A fix whose requeue did not go through (the database away, a lock): the next ``E`` on the job shows it
+    again, the reason typed with it too (it was lost, the payload kept)."""
+
+    text: str
+    reason: str | None
+
+
 def editable(payload: dict[str, Any]) -> str:
     return json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=False)
 
@@ -67,8 +76,8 @@ class PayloadFixScreen(ModalScreen[PayloadFix | None]):
         Binding("escape", "cancel", "Cancel"),
     ]
 
-    def __init__(self, job: Job, draft: str | None = None) -> None:
-        """``draft``: the text of a fix of this job whose requeue did not go through, shown instead of its payload."""
+    def __init__(self, job: Job, draft: PayloadDraft | None = None) -> None:
+        """``draft``: a fix of this job whose requeue did not go through, shown instead of its payload."""
         super().__init__()
         self.job = job
         self.draft = draft
@@ -86,10 +95,11 @@ class PayloadFixScreen(ModalScreen[PayloadFix | None]):
             head.append("\nyour fix from before, not applied (its requeue did not go through)", style="bold")
         with Vertical():
             yield Static(head, id="fix-job")
-            text = editable(j.payload) if self.draft is None else self.draft
+            text = editable(j.payload) if self.draft is None else self.draft.text
             yield TextArea(text, id="fix-payload", soft_wrap=True, show_line_numbers=True)
             yield Label("Reason (kept in the audit log, with the payload's diff)")
-            yield Input(placeholder="why", id="fix-reason", max_length=MAX_REASON_LENGTH, compact=True)
+            reason = (self.draft.reason if self.draft else None) or ""
+            yield Input(reason, placeholder="why", id="fix-reason", max_length=MAX_REASON_LENGTH, compact=True)
             yield Static("", id="fix-error")
             yield Static(
                 "ctrl+s requeue with this payload (1 fresh attempt, audited) · tab next field · esc cancel",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from textual.widgets import Static, TextArea
+from textual.widgets import Input, Static, TextArea
 
 from qconsole.screens.job_detail import JobDetailScreen
 from qconsole.screens.payload_fix import PayloadFixScreen
@@ -98,3 +98,40 @@ def test_e_is_offered_only_for_a_job_a_requeue_takes_and_esc_changes_nothing(dsn
     run_async(scenario())
     assert stats.get_job(conn, job_id).state == JobState.DEAD_LETTERED
     assert stats.audit_log(conn) == []
+
+
+def test_a_fix_whose_requeue_failed_is_shown_again_with_its_reason(dsn: str, conn: db.Conn) -> None:
+    # the requeue behind another session's lock on audit_log fails (TableLocked, after 5 s): the next E showed
+    # the fixed payload again, but the reason typed with it was gone
+    job_id = dead_letter(conn, '{"order_id": "ord_1", "vat_id": "XX1"}')
+    blocker = db.connect(dsn)
+    blocker.execute("LOCK TABLE audit_log IN SHARE MODE")  # reads go on, an audit entry waits
+    app = console(dsn)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            app.push_screen(JobDetailScreen(job_id))
+            await settle(pilot)
+            await pilot.press("E")
+            await until(pilot, lambda: isinstance(app.screen, PayloadFixScreen), what="the payload form")
+            area = app.screen.query_one("#fix-payload", TextArea)
+            area.load_text(area.text.replace("XX1", "DE123"))
+            await pilot.press("tab", *"VAT id corrected", "ctrl+s")
+            await until(pilot, lambda: "audit_log" in notes(app), timeout=30, what="the requeue to fail")
+            blocker.rollback()
+            await pilot.press("E")
+            await until(pilot, lambda: isinstance(app.screen, PayloadFixScreen), what="the payload form again")
+            form = app.screen
+            assert '"vat_id": "DE123"' in form.query_one("#fix-payload", TextArea).text
+            assert form.query_one("#fix-reason", Input).value == "VAT id corrected"
+            await pilot.press("ctrl+s")
+            await until(pilot, lambda: "with its payload fixed" in notes(app), what="the outcome")
+
+    try:
+        run_async(scenario())
+    finally:
+        blocker.close()
+    entry = stats.audit_log(conn)[0]
+    assert entry.action == "requeue" and entry.reason == "VAT id corrected"
+    assert stats.get_job(conn, job_id).payload == {"order_id": "ord_1", "vat_id": "DE123"}
