@@ -26,6 +26,17 @@ def dead_letter(conn: db.Conn, payload: str) -> Any:
     ).fetchone()["id"]
 
 
+async def open_fix_form(pilot: Any, job_id: Any) -> PayloadFixScreen:
+    """The job's detail opened, then ``E``: its payload form."""
+    app = pilot.app
+    await settle(pilot)
+    app.push_screen(JobDetailScreen(job_id))
+    await settle(pilot)
+    await pilot.press("E")
+    await until(pilot, lambda: isinstance(app.screen, PayloadFixScreen), what="the payload form")
+    return app.screen
+
+
 def test_e_fixes_a_dead_letters_payload_and_requeues_it(dsn: str, conn: db.Conn) -> None:
     # a bad payload could be fixed only with `qconsole requeue ID --payload '{...}'`: the JSON copied through a
     # shell, quoted by hand, at 3 a.m.
@@ -34,12 +45,7 @@ def test_e_fixes_a_dead_letters_payload_and_requeues_it(dsn: str, conn: db.Conn)
 
     async def scenario() -> None:
         async with app.run_test(size=SIZE) as pilot:
-            await settle(pilot)
-            app.push_screen(JobDetailScreen(job_id))
-            await settle(pilot)
-            await pilot.press("E")
-            await until(pilot, lambda: isinstance(app.screen, PayloadFixScreen), what="the payload form")
-            form = app.screen
+            form = await open_fix_form(pilot, job_id)
             area = form.query_one("#fix-payload", TextArea)
             assert '"vat_id": "XX1"' in area.text
             error = form.query_one("#fix-error", Static)
@@ -110,12 +116,7 @@ def test_a_fix_whose_requeue_failed_is_shown_again_with_its_reason(dsn: str, con
 
     async def scenario() -> None:
         async with app.run_test(size=SIZE) as pilot:
-            await settle(pilot)
-            app.push_screen(JobDetailScreen(job_id))
-            await settle(pilot)
-            await pilot.press("E")
-            await until(pilot, lambda: isinstance(app.screen, PayloadFixScreen), what="the payload form")
-            area = app.screen.query_one("#fix-payload", TextArea)
+            area = (await open_fix_form(pilot, job_id)).query_one("#fix-payload", TextArea)
             area.load_text(area.text.replace("XX1", "DE123"))
             await pilot.press("tab", *"VAT id corrected", "ctrl+s")
             await until(pilot, lambda: "audit_log" in notes(app), timeout=30, what="the requeue to fail")
