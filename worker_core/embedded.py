@@ -38,6 +38,7 @@ __all__ = [
     "data_directory",
     "default_pgdata",
     "install_signal_handlers",
+    "revive_if_dead",
     "revive_if_down",
     "start_embedded",
     "stop_embedded",
@@ -436,6 +437,21 @@ def revive_if_down(uri: str) -> bool:
             )  # fmt: skip
             return False
         return True
+
+
+def revive_if_dead(uri: str) -> bool | None:
+    """:func:`revive_if_down` without a failed connection first: a process attached to the server that opens
+    none of its own for long (``qconsole worker --processes N``'s supervisor, whose worker processes are only
+    given the URI) looks at its postmaster this way, cheaply (postmaster.pid and the process it names, no
+    lock, no connection), and starts it again if it died. None for a URI this process did not get from
+    :func:`start_embedded`; else whether the server runs now."""
+    with _state_lock:
+        path = next((p for p, u in _uris.items() if u == uri), None)
+    if path is None:
+        return None
+    if _postmaster_state(path) == "running":
+        return True
+    return revive_if_down(uri)  # under the lock, looked at again there
 
 
 def _reap_dead_postmaster(pgdata: Path) -> bool:

@@ -53,6 +53,10 @@ END_RETRY_MAX_SECONDS = 30.0
 #: dead workers kept for another try at most (the oldest are forgotten: their leases run out by themselves)
 END_RETRY_MAX_WORKERS = 1_000
 
+#: how often the supervisor looks whether the embedded server it started (or attached to) still runs: its worker
+#: processes are only given its URI, so none of them may start it again (worker_core.embedded.revive_if_down)
+WATCH_SERVER_SECONDS = 1.0
+
 
 def end_dead_worker(dsn: str, *, worker_id: str | None = None, process: tuple[str, int] | None = None) -> list[str]:
     """A worker process that died without stopping: its leases end now (see :func:`_end_dead_worker`)."""
@@ -219,6 +223,7 @@ class Supervisor:
         self._unended: dict[str, float] = {}
         self._retry_at = 0.0
         self._retry_delay = 1.0
+        self._watch_at = 0.0
         self.dsn = db.resolve_dsn(config.dsn)
 
     def _start(self, slot: int) -> None:
@@ -270,6 +275,26 @@ class Supervisor:
         if ended.beaten is None:
             return None
         return any(i in ended.beaten for i in worker_ids)
+
+    def _watch_server(self) -> None:
+        """The embedded server this process started (or attached to), looked at every WATCH_SERVER_SECONDS
+        (worker_core.embedded.revive_if_dead: no connection) and started again if it died (a kill -9, the OOM
+        killer). Its worker processes are only given its URI, and revive_if_down leaves a URI a process was only
+        given alone (the server it would start is not counted for it, nothing would stop it): this process, the
+        one attached, opened no connection while they lived, and the server stayed down for ever, their beats
+        failing. As a container's PID 1, the dead postmaster is its child, which it reaps here. Nothing for
+        another DSN."""
+        now = time.monotonic()
+        if now < self._watch_at:
+            return
+        self._watch_at = now + WATCH_SERVER_SECONDS
+        embedded = sys.modules.get("worker_core.embedded")
+        if embedded is None:  # never loaded: no embedded server here
+            return
+        try:
+            embedded.revive_if_dead(self.dsn)
+        except Exception:  # it says what failed itself; a surprise must not end the supervision
+            self.log.exception("could not look at the embedded server")
 
     def _retry_unended(self) -> None:
         """The dead children whose leases or stop could not be written (behind a lock, the database away),
@@ -400,6 +425,7 @@ class Supervisor:
                 if self._unended:
                     self._end()  # a last try, bounded
                 return EXIT_CONFIG if self.refused else EXIT_UNAVAILABLE if self.gave_up else 0
+            self._watch_server()
             self._retry_unended()
             self._stop.wait(0.2)
         return self._shutdown()
@@ -410,6 +436,9 @@ class Supervisor:
         clean = []
         for proc, worker_id in self.children.values():
             proc.join(max(0.1, deadline - time.monotonic()))
+            while proc.is_alive() and time.monotonic() < deadline:
+                proc.join(min(0.5, max(0.1, deadline - time.monotonic())))
+                self._watch_server()  # an embedded server killed now: their releases go through once it is back
             if proc.is_alive():
                 self.log.error("worker %s did not stop in time: killed", worker_id)
                 proc.kill()
