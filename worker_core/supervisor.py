@@ -52,6 +52,11 @@ END_DEADLINE_SECONDS = 10.0
 END_RETRY_MAX_SECONDS = 30.0
 #: dead workers kept for another try at most (the oldest are forgotten: their leases run out by themselves)
 END_RETRY_MAX_WORKERS = 1_000
+#: at its own end (stopped, or every burst over), the dead children whose leases or stop could not be written are
+#: tried again every second for shutdown_grace plus this many seconds at most (the database may be back by then):
+#: it exited after one try, saying "tried again in 4 s", and their jobs sat `running` until their leases ran out
+END_AT_EXIT_EXTRA_SECONDS = 5.0
+END_AT_EXIT_RETRY_SECONDS = 1.0
 
 #: how often the supervisor looks whether the embedded server it started (or attached to) still runs: its worker
 #: processes are only given its URI, so none of them may start it again (worker_core.embedded.revive_if_down)
@@ -92,13 +97,17 @@ class _Ended:
     error: psycopg.Error | None
 
 
-def _end_dead_workers(dsn: str, ids: list[str], *, process: tuple[str, int] | None = None) -> _Ended:
+def _end_dead_workers(
+    dsn: str, ids: list[str], *, process: tuple[str, int] | None = None, budget: float | None = None
+) -> _Ended:
     """Ends the leases of dead workers ``ids`` (and of the workers of ``process``), and records the stop of
     those whose row does not say it: a child that exited without recording its own (its stop record failed:
     the workers table locked, the connection lost) read as lost for a day. The leases and the stops are two
     transactions: behind a lock on job_queue the stops are recorded all the same. Never waits longer than
     END_LOCK_TIMEOUT_MS for a lock, END_STATEMENT_TIMEOUT_MS for a statement, END_DEADLINE_SECONDS in all;
-    what failed is in ``error`` (both parts may be tried again: each changes only what is still to change)."""
+    what failed is in ``error`` (both parts may be tried again: each changes only what is still to change).
+    ``budget``: seconds left for it all (connecting, at least 2, included), where less than those bounds."""
+    deadline = END_DEADLINE_SECONDS if budget is None else max(1.0, min(END_DEADLINE_SECONDS, budget))
     jobs: list[str] = []
     beaten: set[str] | None = None
     error: psycopg.Error | None = None
@@ -109,11 +118,12 @@ def _end_dead_workers(dsn: str, ids: list[str], *, process: tuple[str, int] | No
             autocommit=True,
             statement_timeout_ms=END_STATEMENT_TIMEOUT_MS,
             lock_timeout_ms=END_LOCK_TIMEOUT_MS,
+            connect_timeout=max(2, min(5, int(deadline))),  # libpq's least is 2 s
         )
     except psycopg.Error as e:
         return _Ended(jobs, beaten, e)
     try:
-        with conn, db.Deadline(conn, END_DEADLINE_SECONDS):
+        with conn, db.Deadline(conn, deadline):
             if process is not None:
                 rows = conn.execute(queries["workers_of_process"], {"host": process[0], "pid": process[1]})
                 ids = [*ids, *(r["id"] for r in rows.fetchall())]
@@ -223,6 +233,13 @@ class Supervisor:
         self._unended: dict[str, float] = {}
         self._retry_at = 0.0
         self._retry_delay = 1.0
+        #: stopping, or every child gone: what could not be ended is tried again until it exits (_end_at_exit)
+        self._exiting = False
+        #: a second stop signal: its exit does not wait to end its dead children's leases any longer
+        self._hurry = threading.Event()
+        #: the dead children whose failure to be ended was said already while exiting (said once)
+        self._said_unended: set[str] = set()
+        self._end_error = ""
         self._watch_at = 0.0
         self.dsn = db.resolve_dsn(config.dsn)
 
@@ -249,32 +266,80 @@ class Supervisor:
         at least (None: the database did not say)."""
         return self._end(worker_id)
 
-    def _end(self, *worker_ids: str) -> bool | None:
+    def _end(self, *worker_ids: str, budget: float | None = None) -> bool | None:
         """_expire for dead children ``worker_ids`` and those still to be ended (_unended), on one connection:
-        whether one of ``worker_ids`` had beaten once at least (None: the database did not say)."""
+        whether one of ``worker_ids`` had beaten once at least (None: the database did not say). ``budget``:
+        seconds it may take at most (see _end_dead_workers)."""
         ids = [*worker_ids, *(i for i in self._unended if i not in worker_ids)]
         if not ids:
             return None
-        ended = _end_dead_workers(self.dsn, ids)
+        ended = _end_dead_workers(self.dsn, ids, budget=budget)
         if ended.jobs:
             self.log.warning("ended %s leases of dead worker %s", len(ended.jobs), ", ".join(worker_ids or ids))
         if ended.error is not None:
-            self.log.warning(
-                "could not end the leases or record the stop of %s (tried again in %.0f s): %s",
-                ", ".join(ids), self._retry_delay, db.redact(str(ended.error).strip(), self.dsn),
-            )  # fmt: skip
+            self._end_error = db.redact(str(ended.error).strip(), self.dsn)
+            if not self._exiting:
+                self.log.warning(
+                    "could not end the leases or record the stop of %s (tried again in %.0f s): %s",
+                    ", ".join(ids), self._retry_delay, self._end_error,
+                )  # fmt: skip
+            elif not set(ids) <= self._said_unended:  # once: it is tried again every second
+                self._said_unended.update(ids)
+                self.log.warning(
+                    "could not end the leases or record the stop of %s (tried again every %g s before this"
+                    " supervisor exits, %g s at most after its last worker process): %s",
+                    ", ".join(ids), END_AT_EXIT_RETRY_SECONDS, self._exit_window(), self._end_error,
+                )  # fmt: skip
             for worker_id in ids:
                 self._unended.setdefault(worker_id, time.monotonic())
             while len(self._unended) > END_RETRY_MAX_WORKERS:
                 del self._unended[next(iter(self._unended))]
-            self._retry_at = time.monotonic() + self._retry_delay
+            delay = END_AT_EXIT_RETRY_SECONDS if self._exiting else self._retry_delay
+            self._retry_at = time.monotonic() + delay
             self._retry_delay = min(END_RETRY_MAX_SECONDS, 2 * self._retry_delay)
         else:
+            if self._said_unended:
+                self.log.warning(
+                    "the database answered again: the leases of %s are ended and their stops recorded",
+                    ", ".join(i for i in ids if i in self._said_unended),
+                )
+                self._said_unended.clear()
             self._unended.clear()
             self._retry_delay = 1.0
         if ended.beaten is None:
             return None
         return any(i in ended.beaten for i in worker_ids)
+
+    def _exit_window(self) -> float:
+        return self.config.shutdown_grace + END_AT_EXIT_EXTRA_SECONDS
+
+    def _end_at_exit(self) -> None:
+        """The dead children still to be ended (_unended) when the supervisor is about to exit, all its worker
+        processes gone: tried again every END_AT_EXIT_RETRY_SECONDS for shutdown_grace +
+        END_AT_EXIT_EXTRA_SECONDS at most (a second stop signal ends it sooner), then said, as an error: which
+        worker processes, and what becomes of their jobs. It exited after one try, having said "tried again in
+        4 s", and their jobs sat `running`, their workers read as lost, until their leases ran out."""
+        self._exiting = True
+        until = time.monotonic() + self._exit_window()
+        self._retry_at = min(self._retry_at, time.monotonic() + END_AT_EXIT_RETRY_SECONDS)
+        while self._unended and not self._hurry.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            if time.monotonic() >= self._retry_at:
+                self._watch_server()
+                self._end(budget=left)
+            else:
+                self._hurry.wait(min(self._retry_at, until) - time.monotonic())
+        if not self._unended:
+            return
+        self.log.error(
+            "gave up ending the leases and recording the stops of worker processes %s (%s): the jobs they held"
+            " stay running until their leases run out (each job's visibility timeout after its worker's last"
+            " heartbeat that reached the database), then any worker takes them again; until then the console"
+            " shows those workers as lost",
+            ", ".join(self._unended), self._end_error or "the database did not answer",
+        )  # fmt: skip
 
     def _watch_server(self) -> None:
         """The embedded server this process started (or attached to), looked at every WATCH_SERVER_SECONDS
@@ -317,6 +382,7 @@ class Supervisor:
         their running jobs now."""
         if self._stop.is_set() and signum != SUPERVISOR_STOP:
             self._signal_children(SUPERVISOR_STOP_NOW)
+            self._hurry.set()  # nor is its end held up by dead children's leases any longer (_end_at_exit)
         self.stop()
 
     def _signal_children(self, signum: int) -> None:
@@ -422,8 +488,10 @@ class Supervisor:
                 self.restarts += 1
                 self._start(slot)
             if not self.children:
+                self._exiting = True
                 if self._unended:
-                    self._end()  # a last try, bounded
+                    self._end()  # a last try now, then again a while, bounded
+                self._end_at_exit()
                 return EXIT_CONFIG if self.refused else EXIT_UNAVAILABLE if self.gave_up else 0
             self._watch_server()
             self._retry_unended()
@@ -431,28 +499,44 @@ class Supervisor:
         return self._shutdown()
 
     def _shutdown(self) -> int:
+        """Its children stop (killed after the grace, the cancel grace and 10 s), meanwhile the embedded server
+        is watched and the dead ones' leases ended; what could not be is tried again a while (_end_at_exit)."""
+        import multiprocessing.connection
+
+        self._exiting = True
         self._signal_children(SUPERVISOR_STOP)
         deadline = time.monotonic() + self.config.shutdown_grace + self.config.cancel_grace + 10
         clean = []
-        for proc, worker_id in self.children.values():
-            proc.join(max(0.1, deadline - time.monotonic()))
-            while proc.is_alive() and time.monotonic() < deadline:
-                proc.join(min(0.5, max(0.1, deadline - time.monotonic())))
-                self._watch_server()  # an embedded server killed now: their releases go through once it is back
-            if proc.is_alive():
-                self.log.error("worker %s did not stop in time: killed", worker_id)
-                proc.kill()
-                proc.join(5)
-            if proc.exitcode != 0:
-                # killed, or died of its own during the stop (a payload that kills its process): what it
-                # held is released now, not when its leases run out
-                self._expire(worker_id)
-            else:
-                clean.append(worker_id)
-        # a clean exit released its jobs itself; its stop is recorded here where its own record failed (it read
-        # as lost for a day): one connection for them all, and for the dead children still to be ended
+        waiting = list(self.children.values())
+        while waiting:
+            left = deadline - time.monotonic()
+            if left > 0:
+                multiprocessing.connection.wait([proc.sentinel for proc, _ in waiting], min(0.5, left))
+            for proc, worker_id in list(waiting):
+                if proc.is_alive():
+                    if time.monotonic() < deadline:
+                        continue
+                    self.log.error("worker %s did not stop in time: killed", worker_id)
+                    proc.kill()
+                    proc.join(5)
+                else:
+                    proc.join()
+                waiting.remove((proc, worker_id))
+                if proc.exitcode != 0:
+                    # killed, or died of its own during the stop (a payload that kills its process): what it
+                    # held is released now, not when its leases run out
+                    self._expire(worker_id)
+                else:
+                    clean.append(worker_id)
+            # an embedded server killed now: the workers' releases and stop records go through once it is back
+            self._watch_server()
+            self._retry_unended()
+        # a clean exit released its jobs itself (or could not, the database away: their leases end here); its stop
+        # is recorded here where its own record failed (it read as lost for a day): one connection for them all,
+        # and for the dead children still to be ended
         if clean or self._unended:
             self._end(*clean)
+        self._end_at_exit()
         return 0
 
 
