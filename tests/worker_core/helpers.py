@@ -264,11 +264,21 @@ class FreezingProxy:
                 client.close()
                 continue
             host, port = self.target
-            if host.startswith("/"):  # a socket directory (the embedded server)
-                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                server.connect(f"{host}/.s.PGSQL.{port}")
-            else:
-                server = socket.create_connection(self.target)
+            try:
+                if host.startswith("/"):  # a socket directory (the embedded server)
+                    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    try:
+                        server.connect(f"{host}/.s.PGSQL.{port}")
+                    except OSError:
+                        server.close()
+                        raise
+                else:
+                    server = socket.create_connection(self.target)
+            except OSError:
+                # the server itself is down: this client is refused as it would be, and the proxy goes on
+                # (this thread ended here, and every later client hung, unanswered, for ever)
+                client.close()
+                continue
             with self._sockets_lock:
                 self._sockets += [client, server]
             pair: dict[str, Any] = {"marked": False, "ended": 0}
