@@ -126,6 +126,9 @@ class Execution:
     #: a record its group wrote for it may have committed without it (a handler before it ended the group's
     #: transaction) and could not be deleted then (Slot._unrecord_waiting): deleted before it runs again
     stale_record: bool = False
+    #: (the worker's clock) when its lease runs out, as far as this worker knows: the claim's, then each beat's
+    #: extension of it. What a stop that could not release it says of it (Worker._say_left_held)
+    lease_until: dt.datetime | None = None
 
 
 @dataclass(eq=False)
@@ -2020,8 +2023,9 @@ class Slot:
                 ex.ctx.logger.warning("lease lost while running: rolled back, not settled")
                 return
             if exc.reason == "shutdown":
-                ex.ctx.logger.info("worker shutting down: job released")
-                self.release(ex, 0.0)
+                # said once it is: a release the database did not take is said by _write, and at the stop's end
+                if self.release(ex, 0.0):
+                    ex.ctx.logger.info("worker shutting down: job released")
                 return
             if exc.reason == FOUND_ASYNC:
                 ex.ctx.logger.info("the handler returned a coroutine: job released, it runs as async from now on")
@@ -2127,16 +2131,20 @@ class Slot:
         if self.settle_failure(ex, Cancelled("killed")) is None:
             ex.ctx.logger.warning("lease lost to another worker: rolled back, not settled")
 
-    def release(self, ex: Execution, delay: float) -> None:
+    def release(self, ex: Execution, delay: float) -> bool:
+        """Give ``ex`` back, its attempt not counted, due in ``delay`` seconds; whether it was (not: refused,
+        then settled cancelled if an operator killed it; or the database did not take it, left to its lease)."""
         params = {**self._fence(ex), "scheduled_at": self.w.clock.now() + dt.timedelta(seconds=delay)}
         written = self._write(queries["release_job"], params, ex)
         if written:
             self.w.comes_due(delay)
+            return True
         elif written is False:
             # refused: another worker holds the job, or an operator killed it before this worker saw the
             # flag (a shutdown shorter than a heartbeat). A killed job must never run again: settle it
             # cancelled (fenced too, so a job another worker holds is left alone)
             self.settle_failure(ex, Cancelled("killed"))
+        return False
 
     def _write(self, query: str, params: dict[str, Any], ex: Execution) -> dict[str, Any] | Literal[False] | None:
         """A fenced settlement, retried through a database outage until the job's lease would have run out
@@ -2144,6 +2152,8 @@ class Slot:
         written; False: refused by the fence; None: the database could not be reached."""
         # a group's jobs after one that could not be written get one try each, not a lease's worth of
         # retries each (their leases expire and another worker takes them)
+        # and a stopping worker's, until its grace periods are over (Worker.settle_deadline), read again at each
+        # try: a stop that began meanwhile bounds it too
         deadline = 0.0 if self._unreachable else time.monotonic() + ex.job["visibility_timeout_seconds"]
         backoff = 0.1
         lock_wait = self._lock_wait
@@ -2156,19 +2166,23 @@ class Slot:
                 if row is None:
                     ex.ctx.logger.warning("job no longer held by this worker: not settled")
                     return False
+                self.w.settled(ex)
                 return row
             except psycopg.Error as e:
+                until = min(deadline, self.w.settle_deadline())
                 if lock_wait is not None and isinstance(e, psycopg.errors.LockNotAvailable):
                     # its row is still held (see _held_up): tried again, a bound at a time, until its lease
                     # would have run out (or the worker stops)
-                    if time.monotonic() > deadline or self.w.stopping:
+                    if time.monotonic() > until or self.w.stopping:
                         ex.ctx.logger.warning("its row is held by another transaction: not settled, left to its lease")
+                        self.w.left_held(ex)
                         return None
                     continue
                 self.reset()
-                if time.monotonic() + backoff > deadline or not _is_db_error(e):
+                if time.monotonic() + backoff > until or not _is_db_error(e):
                     ex.ctx.logger.error("could not settle the job: %s", db.redact(str(e).strip(), self.w.dsn))
                     self._unreachable = self._unreachable or _is_db_error(e)
+                    self.w.left_held(ex)
                     return None
                 time.sleep(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, 5.0)

@@ -74,7 +74,8 @@ HOUSEKEEPING_CATCH_UP_SECONDS = 1.0
 EXIT_CONFIG = 2
 #: a ``burst`` worker's exit code when it gave up on its claims (they kept failing for ``burst_give_up``
 #: seconds: behind a lock on job_queue, a statement timeout, the server gone): the CLI's code for a database
-#: unreachable or behind a lock
+#: unreachable or behind a lock. Also any worker's when its stop left jobs held that it could not release or
+#: settle, the database not answering (Worker._say_left_held): their leases run out, then any worker takes them
 EXIT_UNAVAILABLE = 3
 #: how long a claim's read of its filters (paused queues, concurrency limits) waits for a lock on queues or
 #: concurrency_limits before the claim goes on with those last read (Worker._refresh_filters_for_claims)
@@ -105,6 +106,10 @@ BEAT_LOCK_WAIT_MAX_SECONDS = 5.0
 #: how long a stopping worker keeps trying to record its stop (workers.stopped_at) that failed (a lock on
 #: workers, the connection lost): not recorded, it reads as lost until its row is pruned, a day later
 STOP_RECORD_SECONDS = 5.0
+#: how long past its grace periods (shutdown_grace, then cancel_grace) a stopping worker keeps trying to
+#: release or settle its jobs through an outage (Worker.settle_deadline): each was tried again until its lease
+#: would have run out, minutes, and the stop with it (systemd kills a unit after 90 s)
+STOP_SETTLE_SECONDS = 3.0
 #: the longest heartbeat_interval. A worker reads as lost after three of its own intervals (its row says its
 #: interval: stats.lost_after_seconds), so a long one only delays that verdict, and its metrics reach the console
 #: once an interval: past a minute, the console would say a dead worker's jobs are in good hands for minutes
@@ -230,6 +235,13 @@ def _names(field_name: str, value: Any, what: str, example: str) -> tuple[str, .
     return names
 
 
+def _hms(at: dt.datetime | None) -> str:
+    """A lease's end, as a log line says it (UTC)."""
+    if at is None:
+        return "unknown"
+    return at.astimezone(dt.timezone.utc).strftime("%H:%M:%SZ")
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -261,6 +273,11 @@ class Worker:
         #: set once the worker has fully stopped (after the grace period): ends the heartbeat thread, which
         #: keeps extending leases and seeing kills of the jobs that finish during a graceful shutdown
         self._halted = threading.Event()
+        #: (monotonic) when the shutdown began: from then on settlements are tried again until settle_deadline
+        self._stop_began: float | None = None
+        #: jobs this worker could not release or settle (the database did not answer, or their rows stayed
+        #: locked): still held by it until their leases run out (said when it stops: Worker._say_left_held)
+        self._left_held: dict[uuid.UUID, Execution] = {}
         self._wake = threading.Event()
         self._slot_free = threading.Condition()
         self._in_flight: dict[uuid.UUID, Execution] = {}
@@ -288,6 +305,8 @@ class Worker:
         #: when (by the worker's clock) the earliest claim began whose answer may have been lost: its jobs are
         #: looked for before the next claim (claimed_unheard), not left running for their visibility timeout
         self._unheard_since: dt.datetime | None = None
+        #: when (by the worker's clock) the last claim began: its jobs' leases run from about then (lease_until)
+        self._claimed_at = self.clock.now()
         #: lease-expired jobs or suspects are waiting: drain, then claim one to run alone
         self._want_solo = True
         #: until when (monotonic) the worker drains for solo work, claiming nothing while jobs are in flight:
@@ -326,6 +345,8 @@ class Worker:
         self._held_up_said_at = 0.0
         self._skew_said_until = 0.0
         self.zombies = 0
+        #: jobs its stop left held (it could not release or settle them): run() then returns EXIT_UNAVAILABLE
+        self.left_behind = 0
         self.claimed_total = 0
         #: claim statements that returned jobs, and groups committed: claimed_total / these = batch sizes
         self.claims = 0
@@ -341,6 +362,48 @@ class Worker:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    def settle_deadline(self) -> float:
+        """Until when (monotonic) a settlement or a release that the database does not take is tried again
+        (Slot._write): while the worker runs, no bound but the job's lease; once it stops, its grace periods
+        (read again: a second signal ends the first) and STOP_SETTLE_SECONDS from its stop's beginning. What
+        could not be written by then is left to its lease, and said (_say_left_held)."""
+        began = self._stop_began
+        if began is None:
+            return math.inf
+        return began + self.config.shutdown_grace + self.config.cancel_grace + STOP_SETTLE_SECONDS
+
+    def left_held(self, ex: Execution) -> None:
+        """``ex``'s settlement or release could not be written: it stays this worker's until its lease runs
+        out (its lease_until), then any worker takes it as an expired lease."""
+        self._left_held[ex.job["id"]] = ex
+
+    def settled(self, ex: Execution) -> None:
+        """``ex``'s settlement or release was written after all (tried again later): no longer left held."""
+        if self._left_held.get(ex.job["id"]) is ex:
+            del self._left_held[ex.job["id"]]
+
+    def _say_left_held(self) -> list[Execution]:
+        """At the end of a stop: the jobs it could not release or settle (the database did not answer), said
+        as such, with when their leases run out (after which any worker takes them, as expired leases: one at
+        a time per idle worker, run alone, see claim_solo). Returns them."""
+        now = self.clock.now()
+        held = [ex for ex in self._left_held.values() if ex.lease_until is None or ex.lease_until > now]
+        if not held:
+            return held
+        held.sort(key=lambda ex: (ex.lease_until or now, ex.job["id"].int))
+        last = held[-1].lease_until
+        listed = ", ".join(
+            f"{ex.job['id']} ({ex.job['job_type']}, lease until {_hms(ex.lease_until)})" for ex in held[:20]
+        )
+        more = f" and {len(held) - 20} more" if len(held) > 20 else ""
+        self.log.error(
+            "stopped without releasing %s jobs (the database did not answer): they stay held by this worker until"
+            " their leases run out, the last at %s, and any worker takes them then, as expired leases (one at a"
+            " time per idle worker): %s%s",
+            len(held), _hms(last), listed, more,
+        )  # fmt: skip
+        return held
 
     def _install_signals(self) -> None:
         self._signals = relay_signals(self._on_signal, WORKER_SIGNALS)
@@ -450,7 +513,8 @@ class Worker:
             self._claim_loop()
         finally:
             self._shutdown()
-        return EXIT_UNAVAILABLE if self.gave_up else 0
+        # jobs it could not release (the database away when it stopped) are still held: not a clean stop
+        return EXIT_UNAVAILABLE if self.gave_up or self.left_behind else 0
 
     def _spawn(self, target: Any, name: str, *args: Any) -> None:
         """A thread of this worker, recorded in ``_threads`` while it lives: the ended ones are dropped here
@@ -461,13 +525,14 @@ class Worker:
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
     def _shutdown(self) -> None:
+        # from here settlements are bounded by the grace periods (settle_deadline), whatever the database does
+        start = self._stop_began = time.monotonic()
         # jobs still waiting in the prefetch buffer are not started during a shutdown: released at once
         with self._exec_lock:
             for ex in list(self._in_flight.values()):
                 if not ex.begun:
                     ex.ctx.cancel("shutdown")
         self._give_back_queued()
-        start = time.monotonic()
         with self._slot_free:
             # read again each time round: a second signal sets the grace to 0
             while self._in_flight and time.monotonic() < start + self.config.shutdown_grace:
@@ -481,7 +546,10 @@ class Worker:
         for _ in range(self.config.concurrency):
             self._jobs.put(None)
         if any(t.name == "completer" for t in self._threads):  # not if the start failed before it
-            self.completer.stop()
+            # within the stop's bound too (1 s at least: its flush of what the slots handed it last)
+            self.completer.stop(min(10.0, max(1.0, self.settle_deadline() - time.monotonic())))
+            for ex in self.completer.waiting():  # not settled (the database away): held until their leases end
+                self.left_held(ex)
         # a burst run ends without stop(): end the heartbeat and listener threads (and their connections)
         # too, or every embedded worker run would leave them behind. The listener ends within a second.
         self._halted.set()
@@ -509,6 +577,7 @@ class Worker:
         if self._hb_conn is not None:
             self._hb_conn.close()
         self.log.info("worker stopped: %s jobs claimed, %s still in flight", self.claimed_total, len(self._in_flight))
+        self.left_behind = len(self._say_left_held())
 
     # ------------------------------------------------------------------ claiming
 
@@ -595,7 +664,7 @@ class Worker:
 
         With nothing in flight and solo work waiting, it first claims one job whose lease expired (or a
         suspect), to run alone: see the ``claim_solo`` query."""
-        began = self.clock.now()
+        began = self._claimed_at = self.clock.now()
         rows: list[dict[str, Any]] = []
         # each claim is one statement on an autocommit connection: atomic, and one round trip. Once one has
         # committed, its jobs are this worker's: a later one that fails must not lose them (nothing would
@@ -1184,6 +1253,8 @@ class Worker:
             dsn=self.dsn,
         )
         ex = Execution(job=row, ctx=ctx, load=self.job_load(row))
+        # its lease as the claim wrote it, about (the claim's now is read a moment after this)
+        ex.lease_until = self._claimed_at + dt.timedelta(seconds=row["visibility_timeout_seconds"])
         with self._slot_free:
             # claimed again before its last run left the set (given back, then claimed by this worker at
             # once): the old entry is done now, and its own _done must not remove this one (_done_many)
@@ -1383,6 +1454,10 @@ class Worker:
             # leases are extended, those of the jobs waiting for the completer only once their rows are read
             leases_held_up = rows is None
             held = {r["id"]: r for r in rows or ()}
+            for ex in [*in_flight, *settling]:
+                r = held.get(ex.job["id"])
+                if r is not None and r["extended"] and r["attempts"] == ex.job["attempts"]:
+                    ex.lease_until = now + dt.timedelta(seconds=ex.job["visibility_timeout_seconds"])
             for ex in in_flight if rows is not None else ():
                 r = held.get(ex.job["id"])
                 if r is None or r["attempts"] != ex.job["attempts"]:
