@@ -1254,7 +1254,8 @@ class Worker:
         )
         ex = Execution(job=row, ctx=ctx, load=self.job_load(row))
         # its lease as the claim wrote it, about (the claim's now is read a moment after this)
-        ex.lease_until = self._claimed_at + dt.timedelta(seconds=row["visibility_timeout_seconds"])
+        visibility = row.get("visibility_timeout_seconds")
+        ex.lease_until = None if visibility is None else self._claimed_at + dt.timedelta(seconds=visibility)
         with self._slot_free:
             # claimed again before its last run left the set (given back, then claimed by this worker at
             # once): the old entry is done now, and its own _done must not remove this one (_done_many)
