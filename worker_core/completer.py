@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from worker_core import db
-from worker_core.execution import Execution, Slot, settle_many_params
+from worker_core.execution import Execution, RecurringFailure, Slot, settle_many_params
 from worker_core.sql import queries
 
 if TYPE_CHECKING:
@@ -56,6 +56,8 @@ class Completer:
         #: its last settlement failed (it is backing off): the worker then claims nothing more once as many
         #: jobs wait here as it may hold in flight (Worker._completer_full)
         self.failing = False
+        #: its settlements failing through an outage: said once, then once a minute, and their end
+        self._failures = RecurringFailure(worker.log, "completer")
 
     def add(self, ex: Execution) -> None:
         first = not self._pending
@@ -111,6 +113,7 @@ class Completer:
                         backoff = 0.05
                         if self.failing:
                             self.failing = False
+                            self._failures.succeeded()
                             self.w.completer_recovered()
                         if busy:
                             # rows another transaction holds locked: tried again with the next batch, soon
@@ -126,7 +129,7 @@ class Completer:
                         self.failing = True
                         if isinstance(e, psycopg.Error):
                             self._conn = None
-                            self.w.log.warning("completer: %s; retrying", db.redact(str(e).strip(), self.w.dsn))
+                            self._failures.failed(e, db.redact(str(e).strip(), self.w.dsn), "retrying")
                         else:
                             self.w.log.exception("completer error; retrying")
                         self._pending.extendleft(reversed(batch))

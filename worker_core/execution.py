@@ -775,6 +775,71 @@ def _is_db_error(exc: BaseException) -> bool:
     return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
 
 
+#: while a recurring failure lasts (RecurringFailure), it is said again at most this often
+FAILURE_REMINDER_SECONDS = 60.0
+
+
+def _unreachable_kind(kind: tuple[str, str | None]) -> bool:
+    """An error of this kind (RecurringFailure) means the server could not be talked to: no SQLSTATE (a
+    connection refused, lost, timed out), a connection exception (08) or the server shutting down (57P)."""
+    sqlstate = kind[1]
+    return sqlstate is None or sqlstate.startswith(("08", "57P"))
+
+
+class RecurringFailure:
+    """A failure that comes back at every try (a beat, a claim, a settlement batch, tried again through an
+    outage), said without flooding the log: the first in full, once; while it lasts, a reminder at most once
+    every FAILURE_REMINDER_SECONDS (for how long, how many tries failed); an error of another kind (its class
+    and SQLSTATE: a statement timeout after a lost connection, a missing table) at once, in full, never hidden
+    by the reminders; and the first try that goes through after it, once ("database reachable again after N
+    s"). A heartbeat at the default interval logged 30 multi-line warnings a minute per worker through an
+    outage, and nothing said when the database was back."""
+
+    def __init__(self, log: Any, what: str) -> None:
+        self.log = log
+        #: what fails, as the lines name it ("heartbeat", "claim", "completer")
+        self.what = what
+        #: (monotonic) since when it fails (None: the last try went through), how many tries failed since
+        self.since: float | None = None
+        self.failures = 0
+        #: the kind of the last failure, and those said in full during this one
+        self._kind: tuple[str, str | None] | None = None
+        self._kinds: set[tuple[str, str | None]] = set()
+        self._said_at = 0.0
+
+    def failed(self, error: BaseException, text: str, then: str = "") -> None:
+        """A try failed with ``error``, whose (redacted) text is ``text``; ``then``: what happens next, said
+        with the first line ("retrying in 0.2s")."""
+        now = time.monotonic()
+        kind = (type(error).__name__, getattr(error, "sqlstate", None))
+        self.failures += 1
+        tail = f"; {then}" if then else ""
+        if self.since is None:
+            self.since, self.failures, self._kinds = now, 1, set()
+        self._kind = kind
+        if kind not in self._kinds:  # the first failure, or one of a kind not said yet during it
+            self._kinds.add(kind)
+            self._said_at = now
+            self.log.warning("%s failed: %s%s (said again once a minute while it fails)", self.what, text, tail)
+            return
+        if now >= self._said_at + FAILURE_REMINDER_SECONDS:
+            self._said_at = now
+            first = (text.splitlines() or [""])[0]
+            self.log.warning("%s still failing after %.0f s (%s tries failed): %s", self.what, now - self.since,
+                             self.failures, first)  # fmt: skip
+
+    def succeeded(self) -> None:
+        """A try went through: the end of the failure, if there was one, said once."""
+        if self.since is None:
+            return
+        took, failures, kind = time.monotonic() - self.since, self.failures, self._kind
+        self.since, self.failures, self._kind = None, 0, None
+        if kind is not None and _unreachable_kind(kind):
+            self.log.info("%s: database reachable again after %.0f s (%s tries failed)", self.what, took, failures)
+        else:
+            self.log.info("%s: going through again after %.0f s (%s tries failed)", self.what, took, failures)
+
+
 class Slot:
     """One unit of concurrency: a connection (and, lazily, an event loop and async connection)."""
 

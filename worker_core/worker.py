@@ -49,7 +49,7 @@ from worker_core.completer import Completer
 from worker_core.context import JobContext
 from worker_core.envelope import QUEUE_RE
 from worker_core.errors import TableLocked, WorkerRefused
-from worker_core.execution import Abandoned, Execution, Slot, UndecodablePayload, array_literal
+from worker_core.execution import Abandoned, Execution, RecurringFailure, Slot, UndecodablePayload, array_literal
 from worker_core.locks import LockBackend, lease_seconds, lock_backend
 from worker_core.logs import bound_logger, job_fields
 from worker_core.metrics import MetricsBuffer
@@ -343,6 +343,9 @@ class Worker:
         #: that was last said
         self._held_up_since: float | None = None
         self._held_up_said_at = 0.0
+        #: beats and claims that fail through an outage: said once, then once a minute, and their end
+        self._beat_failures = RecurringFailure(self.log, "heartbeat")
+        self._claim_failures = RecurringFailure(self.log, "claim")
         self._skew_said_until = 0.0
         self.zombies = 0
         #: jobs its stop left held (it could not release or settle them): run() then returns EXIT_UNAVAILABLE
@@ -1059,6 +1062,7 @@ class Worker:
                 rows = self.claim(limit)
                 backoff = 0.0
                 self._failing_since = None
+                self._claim_failures.succeeded()
             except Exception as e:  # the worker lives on: a database error, or rows it could not read
                 backoff = min(max(backoff * 2, 0.2), 10.0)
                 said = isinstance(e, (psycopg.Error, TableLocked))
@@ -1074,7 +1078,8 @@ class Worker:
                 # with the backoff, as any other claim failure, never claimed again at once in a loop
                 if self._give_up(claimed_at, "claim", why, e):
                     break
-                self.log.warning("claim failed (%s); retrying in %.1fs", why, backoff)
+                # said once, then once a minute while it lasts, and when claims go through again
+                self._claim_failures.failed(e, why, f"retrying with a backoff ({backoff:.1f} s, up to 10 s)")
                 self._stopping.wait(backoff * random.uniform(0.8, 1.2))
                 continue
             claimed = len(rows)
@@ -1370,13 +1375,16 @@ class Worker:
     def _heartbeat_once(self) -> bool:
         """One beat; True if a statement of it gave up waiting for a lock (see _flush_and_beat)."""
         try:
-            return self._flush_and_beat()
+            held_up = self._flush_and_beat()
         except psycopg.Error as e:
             if self.not_migrated is None:  # said once, by the claim loop, which waits for the migrations
-                self.log.warning("heartbeat failed: %s", db.redact(str(e).strip(), self.dsn))
+                self._beat_failures.failed(e, db.redact(str(e).strip(), self.dsn))
             self._hb_conn = None
         except Exception:
             self.log.exception("heartbeat error")
+        else:
+            self._beat_failures.succeeded()
+            return held_up
         return False
 
     _hb_conn: db.Conn | None = None
