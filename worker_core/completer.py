@@ -157,13 +157,26 @@ class Completer:
             rows = conn.execute(queries["settle_succeeded_available"], params).fetchall()
             settled = {r["id"] for r in rows}
             busy_ids: set[uuid.UUID] = set()
+            own: set[uuid.UUID] = set()
             if len(settled) < len(batch):
                 # skipped, or no longer this worker's at this attempt (killed, taken over): still ours means
                 # skipped (its row locked by another transaction)
                 missing = [ex for ex in batch if ex.job["id"] not in settled]
                 found = conn.execute(queries["settle_still_ours"], settle_many_params(self.w, missing))
                 busy_ids = {r["id"] for r in found}
-        self.flushed += len(rows)
+                # or settled already, by this worker at this attempt: this very batch, tried again after a
+                # COMMIT whose answer was lost with the connection. Its jobs succeeded: counted now, once (the
+                # try that lost the answer counted nothing), and not taken for jobs another worker took over
+                gone = [ex for ex in missing if ex.job["id"] not in busy_ids]
+                if gone:
+                    own = {r["id"] for r in conn.execute(queries["settled_here"], settle_many_params(self.w, gone))}
+        if own:
+            self.w.log.info(
+                "completer: %s jobs were settled by a commit whose answer was lost with the connection: counted now",
+                len(own),
+            )
+            settled |= own
+        self.flushed += len(settled)
         counts: dict[tuple[str, str], int] = {}
         refused = []
         busy = []

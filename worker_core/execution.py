@@ -129,6 +129,9 @@ class Execution:
     #: (the worker's clock) when its lease runs out, as far as this worker knows: the claim's, then each beat's
     #: extension of it. What a stop that could not release it says of it (Worker._say_left_held)
     lease_until: dt.datetime | None = None
+    #: a settlement of its success committed, its answer lost with the connection: found when the settlement
+    #: (or the release after it) was tried again, refused by the fence (Slot._write), and counted then
+    settled_here: bool = False
 
 
 @dataclass(eq=False)
@@ -1237,6 +1240,8 @@ class Slot:
         try:
             for other in group.effects:
                 self.release(other, 0.0)
+                if other.settled_here:  # the group had committed, its answer lost: counted with the group's
+                    self._finish(other, other.started)
             for other, exc in group.failed:
                 try:
                     self._after_failure(other, exc)
@@ -2193,7 +2198,7 @@ class Slot:
         """A job's success was refused it (its effects rolled back): an operator killed it since the worker
         last looked (settle_succeeded refuses a killed job: the kill is final), and it is settled cancelled
         now, fenced; or another worker holds it (its lease ran out), and that fence refuses this too."""
-        if self.settle_failure(ex, Cancelled("killed")) is None:
+        if self.settle_failure(ex, Cancelled("killed")) is None and not ex.settled_here:
             ex.ctx.logger.warning("lease lost to another worker: rolled back, not settled")
 
     def release(self, ex: Execution, delay: float) -> bool:
@@ -2204,12 +2209,25 @@ class Slot:
         if written:
             self.w.comes_due(delay)
             return True
-        elif written is False:
+        elif written is False and not ex.settled_here:
             # refused: another worker holds the job, or an operator killed it before this worker saw the
             # flag (a shutdown shorter than a heartbeat). A killed job must never run again: settle it
             # cancelled (fenced too, so a job another worker holds is left alone)
             self.settle_failure(ex, Cancelled("killed"))
         return False
+
+    def _settled_here(self, ex: Execution) -> bool:
+        """Whether ``ex``'s row says it was settled succeeded by this worker at its attempt (queries.sql
+        ``settled_here``), in _write's transaction."""
+        return self.conn.execute(queries["settled_here"], settle_many_params(self.w, [ex])).fetchone() is not None
+
+    def _lost_answer(self, ex: Execution) -> None:
+        """``ex`` succeeded: its settlement committed, its answer lost with the connection. Counted once, as
+        its answer would have counted it (its slot's _finish adds ex.outcome: the job's own path, the group's
+        give-back), and said as what it is: neither a lease lost nor a release."""
+        ex.settled_here = True
+        self._succeeded(ex, idempotency_hit=ex.hit)
+        ex.ctx.logger.info("its settlement had committed (the answer was lost with the connection): succeeded")
 
     def _write(self, query: str, params: dict[str, Any], ex: Execution) -> dict[str, Any] | Literal[False] | None:
         """A fenced settlement, retried through a database outage until the job's lease would have run out
@@ -2228,6 +2246,13 @@ class Slot:
                     if lock_wait is not None:
                         self.conn.execute(queries["bound_lock_wait"], {"lock_wait": lock_wait})
                     row = self.conn.execute(query, params).fetchone()
+                    own = row is None and self._settled_here(ex)
+                if own:
+                    # our own success, committed by a COMMIT whose answer was lost (the group's, the job's):
+                    # not taken over by anyone; counted now, as its answer would have been
+                    self.w.settled(ex)
+                    self._lost_answer(ex)
+                    return False
                 if row is None:
                     ex.ctx.logger.warning("job no longer held by this worker: not settled")
                     return False

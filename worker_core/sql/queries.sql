@@ -507,6 +507,17 @@ SELECT j.id FROM job_queue j
 WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'running') IS TRUE AND j.locked_by = %(worker)s
   AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[]) AND NOT j.cancel_requested;
 
+-- name: settled_here
+-- Of ids, the jobs already settled succeeded by this worker at their attempts (fences): a settlement of its own
+-- whose COMMIT went through and whose answer was lost with the connection (the server restarted, the network
+-- cut between the commit and its answer), found when the settlement, or the release that follows a lost
+-- group, is tried again (Completer._flush, Slot._write). Nothing else leaves a row 'succeeded' with this
+-- worker's locked_by at that attempt: a settlement keeps both, a takeover changes both (the claim writes its
+-- worker and the next attempt), a requeue clears locked_by. Through the primary key (see settle_succeeded_many).
+SELECT j.id FROM job_queue j
+WHERE j.id = ANY(%(ids)s::uuid[]) AND (j.state = 'succeeded') IS TRUE AND j.locked_by = %(worker)s
+  AND j.id::text || '/' || j.attempts = ANY(%(fences)s::text[]);
+
 -- name: settle_error
 -- A job an operator killed while it ran, which failed before the worker saw the kill, ends cancelled (its
 -- error recorded): not retried, and not failed or dead-lettered either, where a replay of its dead-letter
