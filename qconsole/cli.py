@@ -1,7 +1,8 @@
 """The ``qconsole`` command: the console (no subcommand), and every operation as a subcommand.
 
 Parsing only: each command calls one worker_core function and prints its result (qconsole.output).
-Exit codes: 0 ok, 1 not found or operation refused, 2 bad input (nothing written), 3 database unreachable.
+Exit codes: 0 ok, 1 not found or operation refused, 2 bad input (nothing written), 3 database unreachable, 4 the
+outcome of a write is unknown (its connection was lost as it committed, and the database could not be asked after).
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import datetime as dt
 import json
 import logging
 import os
+import secrets
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import psycopg
@@ -32,7 +36,7 @@ from worker_core.migrate import (
     unknown_migrations,
 )
 from worker_core.migrate import migrate as run_migrations
-from worker_core.models import ActionResult, DeadLetterGroups, Job, JobState
+from worker_core.models import ActionResult, DeadLetterGroups, EnqueueResult, Job, JobState
 from worker_core.producer import NotMigrated
 from worker_core.sql import queries
 
@@ -117,6 +121,7 @@ def connect(
     # (db.Deadline)
     deadline = db.Deadline(conn, 2 * timeout_s + 10) if timeout_s else None
     _ROOT["deadline"] = deadline
+    _ROOT["target"] = target  # where an action whose answer was lost is looked up (_look_up)
     try:
         with deadline or contextlib.nullcontext():
             try:
@@ -248,6 +253,236 @@ def guarded(fn: Callable[[], T]) -> T:
 
 #: what the database says to a role that may not write, or to a replica (exit 1, as --read-only is refused)
 REFUSED = (psycopg.errors.InsufficientPrivilege, psycopg.errors.ReadOnlySqlTransaction)
+
+
+# ------------------------------------------------------------------------------------------------ a lost answer
+
+#: the exit code of a write whose outcome is unknown: its connection was lost as it committed, and the database
+#: could not be asked afterwards whether it was done (3 is left to what did not write, or is known not to have:
+#: a script that runs a command again on 3 must not run this one again before it has looked)
+EXIT_UNKNOWN = 4
+#: how long, in all, a command whose action lost its connection tries to reach the database again and to see the
+#: action's session end (nothing of it can commit any more) before it says that the outcome is unknown
+LOST_LOOKUP_S = 10.0
+
+
+class _AnswerLost(Exception):
+    """The connection of an action died once the action was sent: its COMMIT may have gone through."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass
+class Lost:
+    """An action whose connection died once it was sent, looked up on a new connection: ``done`` True (``found``:
+    what the look-up found of it), False (its session ended without committing it), None (it could not be told:
+    ``why``)."""
+
+    error: BaseException
+    done: bool | None
+    found: Any = None
+    why: str = ""
+
+
+def _answer_lost(e: BaseException) -> bool:
+    """The session was lost (the server went away, the session was ended, the socket died): not an answer of the
+    server (a statement timeout, a lock timeout), nor the command's own deadline (_database_error says that one)."""
+    from qconsole.backend import is_outage
+
+    deadline = _ROOT.get("deadline")
+    return is_outage(e) and not (deadline is not None and deadline.expired)
+
+
+def _sent(conn: db.Conn, key: int, fn: Callable[[], T]) -> T | _AnswerLost:
+    """``fn()`` on ``conn`` once its session holds the action's token ``key`` (an advisory lock held until the
+    session ends: once it is free, nothing of the action can commit any more), the errors said as guarded() says
+    them, but a connection lost once it was sent: returned."""
+    guarded(lambda: ops.hold_action_token(conn, key))  # an outage here: nothing was sent, said as ever
+
+    def run() -> T:
+        try:
+            return fn()
+        except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            if _answer_lost(e):
+                raise _AnswerLost(e) from e
+            raise
+
+    try:
+        return guarded(run)
+    except _AnswerLost as lost:
+        return lost
+
+
+def _new_token() -> tuple[str, int]:
+    """An action's token (written into its audit entry: how it is found after its answer was lost), and the key
+    of the advisory lock its session holds (as the console's)."""
+    token = secrets.token_hex(8)
+    return token, int.from_bytes(bytes.fromhex(token)[:4], "big", signed=True)
+
+
+def _told(conn: db.Conn, fn: Callable[[str], T], find: Callable[[db.Conn, str], Any]) -> T | Lost:
+    """An operator action ``fn`` (given the token its audit entry carries), told as the console tells it: when its
+    connection dies once it was sent, whether it committed is looked up on a new connection (``find``: what the
+    token finds of it, None for nothing). It said "database error", exit 3, of a requeue that had committed (the
+    answer to its COMMIT lost), and the operator ran it again."""
+    token, key = _new_token()
+    result = _sent(conn, key, lambda: fn(token))
+    if isinstance(result, _AnswerLost):
+        return _look_up(conn, result.error, key, lambda c: find(c, token))
+    return result
+
+
+def _look_up(conn: db.Conn, error: BaseException, key: int, find: Callable[[db.Conn], Any]) -> Lost:
+    """Whether the action whose connection died committed, asked on a new connection once its session has ended
+    (its token's lock free), trying for LOST_LOOKUP_S in all: ``find`` says what it finds of it (None: nothing)."""
+    with contextlib.suppress(Exception):
+        conn.close()  # its end reaches the server at once
+    target = str(_ROOT["target"])
+    until = time.monotonic() + LOST_LOOKUP_S
+    why = "the database could not be reached again"
+    while (left := until - time.monotonic()) > 0:
+        try:
+            with db.connect(
+                target, application_name="qconsole-cli", autocommit=True, connect_timeout=max(2, int(left) + 1),
+                statement_timeout_ms=5000,
+            ) as lookup, db.Deadline(lookup, left + 5):  # fmt: skip
+                while not ops.action_session_ended(lookup, key):
+                    if time.monotonic() >= until:
+                        return Lost(error, None, why="its session is still alive on the server: it may yet commit")
+                    time.sleep(0.2)
+                found = find(lookup)
+                return Lost(error, found is not None, found)
+        except psycopg.Error as e:
+            said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            why = f"the database could not be asked again ({db.redact(said, target)})"
+            time.sleep(max(0.0, min(0.5, until - time.monotonic())))
+    return Lost(error, None, why=why)
+
+
+def _first_line(error: BaseException) -> str:
+    said = str(error).strip()
+    return db.redact(said.splitlines()[0] if said else type(error).__name__, _ROOT.get("target"))
+
+
+def _say_done(lost: Lost, what: str) -> None:
+    """The note of an action done whose answer was lost (stdout says what it says of a success)."""
+    typer.echo(
+        f"note: {what}: the answer to its commit was lost with the connection ({_first_line(lost.error)}); it was"
+        " looked up on a new connection",
+        err=True,
+    )
+
+
+def _say_not_done(lost: Lost, action: str, nothing: str = "nothing changed", how: str = "") -> NoReturn:
+    """An action whose connection died before it committed: exit 3, as a database error, said to be safe to run
+    again."""
+    how = how or "its session ended without it, as a new connection saw"
+    fail(
+        f"database error: {lost.error}".strip()
+        + f"\nnot done: {nothing} (the connection was lost before the {action} committed: {how}); it can be run"
+        " again",
+        3,
+    )
+
+
+def _say_unknown(lost: Lost, action: str, check: str) -> NoReturn:
+    """An action whose connection died as it committed, that could not be looked up: exit EXIT_UNKNOWN."""
+    fail(
+        f"database error: {lost.error}".strip()
+        + f"\nthe outcome of the {action} is UNKNOWN: its connection was lost as it committed, and {lost.why}."
+        + f" It may have been done: check before running it again ({check})",
+        EXIT_UNKNOWN,
+    )
+
+
+def _job_ids(job_ids: Sequence[str]) -> list[uuid.UUID]:
+    """The jobs named, as the action read them (it refused any that is not an id before it was sent)."""
+    return list(dict.fromkeys(uuid.UUID(str(j)) for j in job_ids))
+
+
+def _jobs_action(
+    conn: db.Conn, action: str, job_ids: Sequence[str], fn: Callable[[str], ActionResult]
+) -> ActionResult | None:
+    """A requeue, kill or discard of ``job_ids``, told (_told). Its answer lost: done, what the action prints, from
+    its audit entry (how many jobs it changed, not which; a job named that does not exist said skipped, exit 1, as
+    ever) and None; not done, exit 3; unknown, exit EXIT_UNKNOWN."""
+
+    def find(c: db.Conn, token: str) -> tuple[tuple[int, int], list[uuid.UUID]] | None:
+        entry = ops.audit_entry_of_token(c, token)
+        if entry is None:
+            return None
+        ids = _job_ids(job_ids)
+        there = {r["id"] for r in c.execute(queries["jobs_state_and_dedup"], {"ids": ids})}
+        return entry, [i for i in ids if i not in there]
+
+    told = _told(conn, fn, find)
+    if not isinstance(told, Lost):
+        return told
+    if told.done is None:
+        _say_unknown(told, action, "`qconsole audit` lists it if it was done; `qconsole job ID` shows a job's state")
+    if not told.done:
+        _say_not_done(told, action)
+    (audit_id, changed), missing = told.found
+    requested = len(_job_ids(job_ids))
+    _say_done(told, f"{action} done (audit #{audit_id}, {changed} job(s))")
+    output.action_counted(action, changed, requested, audit_id, missing)
+    if missing or not changed:
+        raise typer.Exit(1)  # as _exit_for_skipped
+    return None
+
+
+def _enqueue_told(conn: db.Conn, make: Callable[[], EnqueueResult]) -> EnqueueResult:
+    """An enqueue (``make``) in a transaction of its own, its job's id known before its COMMIT is sent (the job's
+    insert answers with it), told when its connection dies: before the commit, nothing was enqueued (exit 3);
+    at the commit, the job is looked for on a new connection: there, its id is printed as ever (a retry on
+    "database error" made a second job); not there, exit 3; unknown, exit EXIT_UNKNOWN with the job to look
+    for."""
+    _, key = _new_token()
+    made: list[EnqueueResult] = []
+
+    def enqueue_it() -> EnqueueResult:
+        with conn.transaction():  # the producer's writes in a savepoint of it
+            made.append(make())
+        return made[0]
+
+    result = _sent(conn, key, enqueue_it)
+    if not isinstance(result, _AnswerLost):
+        return result
+    if not made:  # lost before the COMMIT was sent: the server rolls it back
+        _say_not_done(Lost(result.error, False), "enqueue", "nothing was enqueued", "its commit was never sent")
+    job = made[0]
+
+    def find(c: db.Conn) -> EnqueueResult | None:
+        return job if c.execute(queries["jobs_state_and_dedup"], {"ids": [job.id]}).fetchone() else None
+
+    told = _look_up(conn, result.error, key, find)
+    if told.done is None:
+        _say_unknown(
+            told, "enqueue", f"`qconsole job {job.id}` shows the job if it was made, says `no such job` if not; a"
+            " second run makes a second job, unless it has a --dedup-key (a live job holding the key is not made"
+            " twice): with it, and an --idempotency-key for its effect, running it again is safe",
+        )  # fmt: skip
+    if not told.done:
+        _say_not_done(told, "enqueue", "nothing was enqueued")
+    _say_done(told, f"enqueue done (job {job.id})" if job.created else f"enqueue done (duplicate of {job.id})")
+    return job
+
+
+def _audited_action(conn: db.Conn, action: str, fn: Callable[[str], ActionResult], check: str) -> ActionResult:
+    """A pause, resume or limit, told (_told): its answer lost, its result from its audit entry when it was done;
+    not done, exit 3; unknown, exit EXIT_UNKNOWN (``check`` says how to check)."""
+    told = _told(conn, fn, ops.audit_entry_of_token)
+    if not isinstance(told, Lost):
+        return told
+    if told.done is None:
+        _say_unknown(told, action, f"`qconsole audit` lists it if it was done; {check}")
+    if not told.done:
+        _say_not_done(told, action)
+    audit_id = told.found[0]
+    _say_done(told, f"{action} done (audit #{audit_id})")
+    return ActionResult(action, 1, [], [], audit_id)
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -634,7 +869,7 @@ def enqueue(
             with _without_producer_warnings():  # said above, in the CLI's words (--tasks)
                 if problems:
                     _envelope_refused(problems + guarded(lambda: _envelope_problems(conn, job_type, body, envelope)))
-                result = guarded(lambda: enqueue_job(conn, job_type, body, **envelope))
+                result = _enqueue_told(conn, lambda: enqueue_job(conn, job_type, body, **envelope))
     except typer.Exit as e:
         if problems and e.exit_code == 3:  # the database said why above: bad input all the same, exit 2
             _envelope_refused(problems, "the other fields were not checked: they are judged under the type's"
@@ -1081,13 +1316,13 @@ def requeue(
         fail("--same-payload writes --payload into every job named: give --payload too", 2)
     new_payload = parse_json_object(payload, "--payload") if payload is not None else None
     with connect(dsn) as conn:
-        result = guarded(
-            lambda: ops.requeue(
-                conn, job_ids, reason=reason, budget=budget, payload=new_payload, same_payload=same_payload
-            )
-        )
-    output.action(result)
-    _exit_for_skipped(result)
+        result = _jobs_action(
+            conn, "requeue", job_ids, lambda token: ops.requeue(
+                conn, job_ids, reason=reason, budget=budget, payload=new_payload, same_payload=same_payload,
+                token=token,
+            ),
+        )  # fmt: skip
+    _say_action(result)
 
 
 @app.command()
@@ -1098,9 +1333,8 @@ def kill(
 ) -> None:
     """Cancel jobs; a running one is stopped by its worker within a heartbeat. Never retried."""
     with connect(dsn) as conn:
-        result = guarded(lambda: ops.kill(conn, job_ids, reason=reason))
-    output.action(result)
-    _exit_for_skipped(result)
+        result = _jobs_action(conn, "kill", job_ids, lambda token: ops.kill(conn, job_ids, reason=reason, token=token))
+    _say_action(result)
 
 
 @app.command()
@@ -1111,9 +1345,17 @@ def discard(
 ) -> None:
     """Give up on dead letters: cancelled, off the dead-letter list, never run again (requeue undoes it)."""
     with connect(dsn) as conn:
-        result = guarded(lambda: ops.discard(conn, job_ids, reason=reason))
-    output.action(result)
-    _exit_for_skipped(result)
+        result = _jobs_action(
+            conn, "discard", job_ids, lambda token: ops.discard(conn, job_ids, reason=reason, token=token)
+        )
+    _say_action(result)
+
+
+def _say_action(result: ActionResult | None) -> None:
+    """What a requeue, kill or discard did, and its exit code (None: said already, its answer lost)."""
+    if result is not None:
+        output.action(result)
+        _exit_for_skipped(result)
 
 
 def _exit_for_skipped(result: ActionResult) -> None:
@@ -1153,7 +1395,11 @@ def resume(
 
 def _set_paused(queue: str, paused: bool, reason: str | None, unknown_queue: bool, dsn: str | None) -> None:
     with connect(dsn) as conn:
-        result = guarded(lambda: ops.set_paused(conn, queue, paused, reason=reason, allow_unknown=unknown_queue))
+        result = _audited_action(
+            conn, "pause" if paused else "resume",
+            lambda token: ops.set_paused(conn, queue, paused, reason=reason, allow_unknown=unknown_queue, token=token),
+            "`qconsole stats` shows whether the queue is paused",
+        )  # fmt: skip
     output.action(result, queue)
 
 
@@ -1213,7 +1459,10 @@ def limit(
         fail(f"--clear removes the limit: give {max_running} or --clear, not both (nothing changed)", 2)
     with connect(dsn, read_only=max_running is None and not clear) as conn:
         if clear:
-            guarded(lambda: ops.clear_limit(conn, job_type, queue=queue, reason=reason))
+            _audited_action(
+                conn, "unlimit", lambda token: ops.clear_limit(conn, job_type, queue=queue, reason=reason, token=token),
+                f"`qconsole limit {job_type}` lists its limits",
+            )  # fmt: skip
             typer.echo(f"cleared the limit of {job_type} in {queue}")
         elif max_running is None:
             rows = [row for row in guarded(lambda: stats.limits(conn)) if row["job_type"] == job_type]
@@ -1227,11 +1476,12 @@ def limit(
                 typer.echo(f"no limit on {job_type}")
         else:
             n, allow, allow_queue = max_running, unknown_type, unknown_queue
-            guarded(
-                lambda: ops.set_limit(
-                    conn, job_type, n, queue=queue, reason=reason, allow_unknown=allow, allow_unknown_queue=allow_queue
-                )
-            )
+            _audited_action(
+                conn, "limit", lambda token: ops.set_limit(
+                    conn, job_type, n, queue=queue, reason=reason, allow_unknown=allow, allow_unknown_queue=allow_queue,
+                    token=token,
+                ), f"`qconsole limit {job_type}` lists its limits",
+            )  # fmt: skip
             typer.echo(f"{job_type} in {queue}: at most {max_running} running")
 
 

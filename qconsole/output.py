@@ -6,6 +6,8 @@ import datetime as dt
 import json
 import math
 import sys
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -459,10 +461,22 @@ def action(result: ActionResult, queue: str | None = None) -> None:
     if result.action in ("pause", "resume"):
         console.print(f"{result.action}d queue {queue} (audit #{result.audit_id})")
         return
-    console.print(f"{result.action}: {result.count} of {result.requested} job(s) changed (audit #{result.audit_id})")
+    console.print(_changed_line(result.action, result.count, result.requested, result.audit_id))
     for jid in result.skipped:
         why = result.why_skipped.get(jid, f"not in a state that allows {result.action}")
         console.print(Text(f"  skipped {jid}: {why}"))
+
+
+def _changed_line(action: str, changed: int, requested: int, audit_id: int | None) -> str:
+    return f"{action}: {changed} of {requested} job(s) changed (audit #{audit_id})"
+
+
+def action_counted(action: str, changed: int, requested: int, audit_id: int, missing: Sequence[uuid.UUID]) -> None:
+    """An action done whose answer was lost, as ``action`` says it, from its audit entry: how many jobs it changed
+    (not which), and the jobs named that do not exist."""
+    console.print(_changed_line(action, changed, requested, audit_id))
+    for jid in missing:
+        console.print(Text(f"  skipped {jid}: no such job"))
 
 
 def policies(contracts: list[TypeContract], as_json: bool, source: str, queues: dict[str, Any]) -> None:
