@@ -17,7 +17,7 @@ def flat(text: str) -> str:
 def test_job_says_why_it_waits_the_most_pressing_reason_first(cli: Any, conn: db.Conn) -> None:  # noqa: F811
     # `qconsole job` of a job queued for 25 minutes said its state, nothing of the pause, the limit of 0 and the dead
     # worker behind it
-    held = cli("enqueue", "invoice.generate", "--queue", "billing").stdout.strip()
+    held = cli("enqueue", "invoice.generate", "--queue", "billing", "--idempotency-key", "inv:1").stdout.strip()
     conn.execute(
         "INSERT INTO workers (id, host, pid, queues, tasks, concurrency, last_heartbeat_at) VALUES ('web-2:77',"
         " 'web-2', 77, '{billing}', '{invoice.generate}', 4, now() - interval '95 seconds')"
@@ -48,7 +48,7 @@ def test_job_says_why_it_waits_the_most_pressing_reason_first(cli: Any, conn: db
         "INSERT INTO workers (id, host, pid, tasks, concurrency) VALUES ('web-1:41', 'web-1', 41,"
         " '{invoice.generate}', 4)"
     )
-    behind = cli("enqueue", "invoice.generate", "--queue", "billing").stdout.strip()
+    behind = cli("enqueue", "invoice.generate", "--queue", "billing", "--idempotency-key", "inv:2").stdout.strip()
     cli("enqueue", "t.ok", "--queue", "billing", "--priority", "-1")
     assert "in line 2 job(s) ahead of it in billing, 1 of them invoice.generate; the claim order" in flat(
         cli("job", behind).stdout
