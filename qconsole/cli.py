@@ -1,8 +1,9 @@
 """The ``qconsole`` command: the console (no subcommand), and every operation as a subcommand.
 
 Parsing only: each command calls one worker_core function and prints its result (qconsole.output).
-Exit codes: 0 ok, 1 not found or operation refused, 2 bad input (nothing written), 3 database unreachable, 4 the
-outcome of a write is unknown (its connection was lost as it committed, and the database could not be asked after).
+Exit codes: 0 ok, 1 not found or operation refused, 2 bad input (nothing written), 3 database unreachable, 4
+(``worker --processes``) its processes kept dying at start, 5 the outcome of a write is unknown (its connection was
+lost as it committed, and the database could not be asked after).
 """
 
 from __future__ import annotations
@@ -259,8 +260,9 @@ REFUSED = (psycopg.errors.InsufficientPrivilege, psycopg.errors.ReadOnlySqlTrans
 
 #: the exit code of a write whose outcome is unknown: its connection was lost as it committed, and the database
 #: could not be asked afterwards whether it was done (3 is left to what did not write, or is known not to have:
-#: a script that runs a command again on 3 must not run this one again before it has looked)
-EXIT_UNKNOWN = 4
+#: a script that runs a command again on 3 must not run this one again before it has looked; 4 is `worker
+#: --processes` giving up, worker_core.supervisor.EXIT_GAVE_UP)
+EXIT_UNKNOWN = 5
 #: how long, in all, a command whose action lost its connection tries to reach the database again and to see the
 #: action's session end (nothing of it can commit any more) before it says that the outcome is unknown
 LOST_LOOKUP_S = 10.0
