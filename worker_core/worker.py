@@ -1067,6 +1067,7 @@ class Worker:
                 backoff = min(max(backoff * 2, 0.2), 10.0)
                 said = isinstance(e, (psycopg.Error, TableLocked))
                 why = db.redact(str(e).strip(), self.dsn) if said else repr(e)
+                self._close_quietly(self._claim_conn)  # closed, not only forgotten: a new one next claim
                 self._claim_conn = None
                 waited = self._wait_for_migrations(why) if _schema_missing(e) else None
                 if waited is True:
@@ -1379,7 +1380,7 @@ class Worker:
         except psycopg.Error as e:
             if self.not_migrated is None:  # said once, by the claim loop, which waits for the migrations
                 self._beat_failures.failed(e, db.redact(str(e).strip(), self.dsn))
-            self._hb_conn = None
+            self._drop_hb_conn()
         except Exception:
             self.log.exception("heartbeat error")
         else:
@@ -1388,6 +1389,13 @@ class Worker:
         return False
 
     _hb_conn: db.Conn | None = None
+
+    def _drop_hb_conn(self) -> None:
+        """The heartbeat's connection after a failure: closed, not only forgotten (a session of a worker whose
+        beats failed on a schema that was not there stayed open, idle, after its stop), a new one next beat."""
+        if self._hb_conn is not None:
+            self._close_quietly(self._hb_conn)
+        self._hb_conn = None
 
     def _extend_lock(self, conn: db.Conn, ex: Execution) -> bool:
         """A running job's lock_key lease, extended with its job lease. Lost (it ran out and another job
@@ -1628,7 +1636,7 @@ class Worker:
             self.housekeeping(self._heartbeat_conn(), round_seconds=FIRST_HOUSEKEEPING_SECONDS)
         except psycopg.Error as e:
             self.log.warning("housekeeping failed: %s", db.redact(str(e).strip(), self.dsn))
-            self._hb_conn = None
+            self._drop_hb_conn()
         except Exception:
             self.log.exception("housekeeping error")
 
