@@ -171,7 +171,6 @@ def test_a_worker_whose_completer_cannot_settle_stops_claiming(
     # without limit
     from worker_core.completer import Completer
 
-    enqueue_many(conn, [("t.ok", {"i": i}) for i in range(40)])
     flush = Completer._flush
     refusing = threading.Event()
     refusing.set()
@@ -184,13 +183,18 @@ def test_a_worker_whose_completer_cannot_settle_stops_claiming(
     monkeypatch.setattr(Completer, "_flush", refused)
     with running_worker(dsn, concurrency=2, prefetch=0, group_max=1) as w:
         assert w.max_in_flight == 8
+        # the worker learns it cannot settle from its completer's first failed flush; what it claimed before that
+        # (as many jobs as it ran in a flush's time, more on a slow machine) is not what is bounded here
+        enqueue_many(conn, [("t.ok", {"i": -1})])
+        wait_for(lambda: w.completer.failing, 10, what="the completer's first failure")
+        enqueue_many(conn, [("t.ok", {"i": i}) for i in range(40)])
         wait_for(lambda: w.completer.pending() >= 8, 10, what="the completer to fill up")
         time.sleep(1)
         # a claim's worth past the bound at most (the one that filled it)
         assert w.completer.pending() <= 2 * w.max_in_flight and not w._in_flight
         refusing.clear()  # it settles again: the claimer goes on
         wait_for(lambda: conn.execute("SELECT count(*) AS n FROM job_queue WHERE state = 'succeeded'").fetchone()
-                 == {"n": 40}, 20, what="all settled")  # fmt: skip
+                 == {"n": 41}, 20, what="all settled")  # fmt: skip
 
 
 def test_housekeeping_analyzes_a_queue_table_after_a_burst(conn: db.Conn) -> None:

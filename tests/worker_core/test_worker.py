@@ -1461,11 +1461,15 @@ def test_a_supervisor_forgets_the_start_times_of_its_dead_workers(monkeypatch: p
     # the start time of a dead child was popped only if it had never beaten (``beat is False and ...pop()``,
     # short-circuited): children that crash after their first beat (os._exit in a handler, the OOM killer)
     # left one entry each, for the supervisor's life
+    sentinels: list[int] = []
+
     class Crashed:  # a child process that died at once, after a beat (see _expire below)
         exitcode, pid = 13, None
 
         def __init__(self, **_: Any) -> None:
-            pass
+            self.sentinel, write_end = os.pipe()  # a dead process's sentinel: ready (at end of file)
+            os.close(write_end)
+            sentinels.append(self.sentinel)
 
         def start(self) -> None:
             pass
@@ -1479,11 +1483,15 @@ def test_a_supervisor_forgets_the_start_times_of_its_dead_workers(monkeypatch: p
     sup = Supervisor(config("postgresql://unused/x"), processes=10)  # 30 deaths before any backoff
     sup.ctx = cast(Any, SimpleNamespace(Process=Crashed, Value=lambda *_, **__: SimpleNamespace(value=0)))
     monkeypatch.setattr(sup, "_expire", lambda worker_id: True)  # it had beaten: a crash, not a stillbirth
-    t = threading.Thread(target=sup._supervise, daemon=True)
+    returned: list[int] = []
+    t = threading.Thread(target=lambda: returned.append(sup._supervise()), daemon=True)
     t.start()
     wait_for(lambda: sup.restarts >= 25, 20, what="25 restarts")
     sup.stop()
     t.join(10)
+    for fd in sentinels:
+        os.close(fd)
+    assert returned == [0]  # its stop went through (the children it had then were waited for)
     assert len(sup._started_at) <= 10 and len(sup._refusals) <= 10, (len(sup._started_at), len(sup._refusals))
 
 
